@@ -1,0 +1,34 @@
+"""tilegym_rms: RMSNorm kernels for PyTorch training and inference.
+
+cuTile kernels on NVIDIA GPUs, Triton kernels for Ascend NPUs (also run on NVIDIA under standard
+Triton), and a pure-torch reference on the CPU, all behind :func:`rms_norm`.
+"""
+
+from .dispatch import BACKENDS, available_backends
+from .experimental import ExperimentalKernelWarning, experimental_kernel
+from .module import RMSNorm
+from .ops import (
+    RMSNormFunction,
+    backward_workspace_bytes,
+    fused_add_rms_norm,
+    rms_norm,
+    rms_norm_backward,
+    rms_norm_forward,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "ExperimentalKernelWarning",
+    "RMSNorm",
+    "RMSNormFunction",
+    "available_backends",
+    "backward_workspace_bytes",
+    "experimental_kernel",
+    "fused_add_rms_norm",
+    "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_forward",
+    "__version__",
+]

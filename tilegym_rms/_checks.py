@@ -1,0 +1,80 @@
+"""Input validation for the public API: every message says what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .reference import CASTING_MODES, FUSED_ADD_MODES
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def check_inputs(x, weight, eps, offset, casting_mode) -> int:
+    """Validates the arguments shared by every entry point; returns the hidden size N."""
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the normalized last dim); got a 0-dim tensor")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor ({_dtype_names(KERNEL_DTYPES)}), got {x.dtype}")
+    n = x.shape[-1]
+    if weight is not None:
+        check_tensor("weight", weight)
+        if weight.dim() != 1 or weight.shape[0] != n:
+            raise ValueError(f"weight must have shape ({n},) (the last dim of x), got {tuple(weight.shape)}")
+        if not weight.is_floating_point():
+            raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
+        if weight.device != x.device:
+            raise ValueError(f"x and weight must be on the same device, got x on {x.device}, weight on {weight.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or math.isnan(eps) or eps < 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+        raise TypeError(f"offset must be a number, got {type(offset).__name__}")
+    if weight is None and offset != 0:
+        raise ValueError("offset applies to the weight (y = x * rstd * (offset + weight)); with weight=None it must be 0")
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"casting_mode must be one of {', '.join(map(repr, CASTING_MODES))}, got {casting_mode!r}")
+    return n
+
+
+def check_dtype_for_backend(x, backend_name: str, supported) -> None:
+    if x.dtype not in supported:
+        hint = " (use backend='torch' for float64)" if x.dtype == torch.float64 else ""
+        raise TypeError(
+            f"backend {backend_name!r} supports x of dtype {_dtype_names(supported)}, got {x.dtype}{hint}"
+        )
+
+
+def check_like(name: str, t, x) -> None:
+    """``t`` must match ``x`` in shape and device (dy, residual)."""
+    check_tensor(name, t)
+    if t.shape != x.shape:
+        raise ValueError(f"{name} must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on the device of x ({x.device}), got {t.device}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def check_rstd(rstd, x) -> None:
+    check_tensor("rstd", rstd)
+    if rstd.numel() != x.numel() // max(x.shape[-1], 1) or rstd.device != x.device:
+        raise ValueError(
+            f"rstd must hold one value per row of x ({x.numel() // max(x.shape[-1], 1)} on {x.device}), "
+            f"got shape {tuple(rstd.shape)} on {rstd.device}"
+        )
+
+
+def check_fused_mode(mode) -> None:
+    if mode not in FUSED_ADD_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, FUSED_ADD_MODES))}, got {mode!r}")

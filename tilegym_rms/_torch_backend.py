@@ -1,0 +1,31 @@
+"""The ``"torch"`` backend: :mod:`tilegym_rms.reference` behind the backend contract."""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    return True, ""
+
+
+def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None):
+    del store_rstd, mode  # the reference always returns rstd and has one code path
+    return reference.rms_norm_forward(x, weight, eps, offset, casting_mode)
+
+
+def backward(dy, x, weight, rstd, offset, casting_mode):
+    return reference.rms_norm_backward(dy, x, weight, rstd, offset, casting_mode)
+
+
+def fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, *, store_rstd=True):
+    del store_rstd
+    return reference.fused_add_rms_norm_forward(x, residual, weight, eps, mode, offset, casting_mode)
+
+
+def backward_workspace_bytes(m, n, dtype, device):
+    return 0

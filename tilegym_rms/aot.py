@@ -1,0 +1,157 @@
+"""Compile check: every cuTile kernel variant the dispatcher can select compiles to a cubin.
+
+Needs no GPU, only ``cuda-tile`` and the matched tileiras toolchain. Run it as
+``python -m tilegym_rms.aot [--arch sm_90 ...]`` or ``tilegym-rms aot``: it prints a table and
+exits non-zero on any failure. The variants come from the same heuristics the dispatcher uses
+(:mod:`tilegym_rms.cutile.config`), over a representative set of hidden sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .cutile import config
+
+ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
+# Hidden sizes that reach every tile shape class: tiny, non-power-of-two, the common LLM widths, and
+# rows wider than one tile (chunked kernels).
+REPRESENTATIVE_N = (64, 1000, 4096, 8192, 65536)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Large and small M reach both forward modes; SM count of an H100 (the heuristics scale with it).
+REPRESENTATIVE_M = (128, 65536)
+REFERENCE_SMS = 132
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel_name: str
+    params: tuple  # per kernel parameter: ("array", dtype, ndim) | ("scalar",) | a constant value
+
+    def describe(self) -> str:
+        shown = []
+        for p in self.params:
+            if isinstance(p, tuple) and p[0] == "array":
+                shown.append(str(p[1]).replace("torch.", ""))
+            elif not isinstance(p, tuple):
+                shown.append(str(p))
+        return f"{self.kernel_name}[{','.join(shown)}]"
+
+
+def _arr(dtype, ndim):
+    return ("array", dtype, ndim)
+
+
+_S = ("scalar",)
+_F32 = torch.float32
+
+
+def variants() -> list[Variant]:
+    """The distinct kernel variants reachable from the dispatcher over the representative grid."""
+    found: dict[Variant, None] = {}
+
+    def add(name, *params):
+        found.setdefault(Variant(name, params), None)
+
+    for dtype in DTYPES:
+        for n in REPRESENTATIVE_N:
+            for m in REPRESENTATIVE_M:
+                for mode in (None, *config.FORWARD_MODES):
+                    try:
+                        f = config.forward_config(m, n, dtype, REFERENCE_SMS, mode)
+                    except ValueError:
+                        continue  # mode not available for this N
+                    # Casting modes and the no-weight variant on fp32 weights; weight dtype = x dtype.
+                    for cast, has_w in ((0, True), (1, True), (2, True), (0, False)):
+                        if dtype != torch.bfloat16 and (cast, has_w) != (0, True):
+                            continue  # the cast / no-weight axes are covered once, on bf16
+                        w = _arr(dtype if has_w else dtype, 1)
+                        io_arrays = (_arr(dtype, 2), w, _arr(dtype, 2), _arr(_F32, 1), _S, _S)
+                        if f.mode == "gather":
+                            add("rms_norm_fwd_gather", *io_arrays, f.tile_n, cast, has_w, f.single_tile)
+                        else:
+                            add("rms_norm_fwd_persistent", *io_arrays, f.tile_m, f.tile_n, cast, has_w)
+                b = config.backward_config(m, n, dtype, REFERENCE_SMS)
+                for has_w in (True, False):
+                    x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
+                    if b.mode == "fused":
+                        add("rms_norm_bwd_persistent", x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n,
+                            has_w)
+                    else:
+                        add("rms_norm_bwd_row_dot", x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w)
+                        add("rms_norm_bwd_column_chunk", x2, x2, w1, r1, r1, x2, _arr(_F32, 2), _S, b.tile_m,
+                            b.tile_n, has_w)
+        add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), config.REDUCE_TILE_G, config.REDUCE_TILE_N)
+    return list(found)
+
+
+def _signature(v: Variant):
+    import cuda.tile as ct
+    from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
+
+    ct_dtype = {torch.float32: ct.float32, torch.float16: ct.float16, torch.bfloat16: ct.bfloat16}
+    params = []
+    for p in v.params:
+        if isinstance(p, tuple) and p[0] == "array":
+            params.append(ArrayConstraint(ct_dtype[p[1]], p[2], index_dtype=ct.int32, stride_lower_bound_incl=0,
+                                          alias_groups=(), may_alias_internally=False))
+        elif isinstance(p, tuple) and p[0] == "scalar":
+            params.append(ScalarConstraint(ct.float32))
+        else:
+            params.append(p)
+    return KernelSignature(params, CallingConvention.cutile_python_v1())
+
+
+def compile_variant(v: Variant, arch: str) -> int:
+    """Compiles one variant for ``arch``; returns the cubin size in bytes (raises on failure)."""
+    from cuda.tile.compilation import export_kernel
+
+    from .cutile import kernels
+
+    buf = io.BytesIO()
+    export_kernel(getattr(kernels, v.kernel_name), [_signature(v)], buf, gpu_code=arch, output_format="cubin")
+    size = len(buf.getvalue())
+    if size == 0:
+        raise RuntimeError("empty cubin")
+    return size
+
+
+def run(archs=ARCHS, jobs: int = 2, out=sys.stdout) -> int:
+    """Compiles every variant for every arch, prints a table; returns the number of failures."""
+    todo = [(v, a) for v in variants() for a in archs]
+
+    def one(item):
+        v, a = item
+        t0 = time.perf_counter()
+        try:
+            return v, a, compile_variant(v, a), None, time.perf_counter() - t0
+        except Exception as exc:  # report every failure, keep going
+            return v, a, 0, f"{type(exc).__name__}: {exc}".splitlines()[0][:160], time.perf_counter() - t0
+
+    failures = 0
+    print(f"{'variant':<72} {'arch':<7} {'cubin':>8} {'s':>5}  result", file=out)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for v, a, size, err, secs in pool.map(one, todo):
+            failures += err is not None
+            print(f"{v.describe():<72} {a:<7} {size:>8} {secs:>5.1f}  {err or 'ok'}", file=out, flush=True)
+    print(f"{len(todo) - failures} compiled, {failures} failed ({len(variants())} variants x {len(archs)} archs)",
+          file=out)
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="tilegym-rms aot", description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", action="append", choices=ARCHS, help="target (repeatable); default: all four")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compiles (default 2)")
+    args = parser.parse_args(argv)
+    return 1 if run(tuple(args.arch or ARCHS), args.jobs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

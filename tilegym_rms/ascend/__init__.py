@@ -1,0 +1,280 @@
+"""RMSNorm backend in Triton for Huawei Ascend NPUs (triton-ascend).
+
+The same kernels run on NVIDIA GPUs under standard Triton and on the CPU under the Triton
+interpreter (``TRITON_INTERPRET=1``). Semantics are those of :mod:`tilegym_rms.reference`.
+
+Importing this package never imports triton, torch_npu or triton-ascend: the kernels module is
+imported on first use, so :func:`available` can report what is missing instead of failing.
+
+Backend contract (called by the package dispatcher; ``x`` is 2-D ``(M, N)`` with unit column
+stride and any row stride):
+
+* :func:`forward` -> ``(y, rstd | None)``
+* :func:`backward` -> ``(dx, dw | None)``
+* :func:`fused_add_forward` -> ``(y, residual_out, rstd | None)``
+* :func:`available` -> ``(ok, reason)``
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilegym_rms.ascend import config
+from tilegym_rms.ascend.config import choose_path, plan
+from tilegym_rms.ascend.launch import launch
+
+__all__ = [
+    "available",
+    "backward",
+    "choose_path",
+    "forward",
+    "fused_add_forward",
+    "plan",
+]
+
+_CASTING_MODES = ("llama", "gemma", "none")
+_FUSED_ADD_MODES = ("pre", "post")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NPU_INSTALL_HINT = "torch_npu / triton-ascend not installed: pip install torch-npu triton-ascend"
+
+
+def _kernels():
+    # Deferred: importing triton (and jitting the kernels) only when a kernel is about to run.
+    from tilegym_rms.ascend import kernels
+
+    return kernels
+
+
+def available(device) -> tuple[bool, str]:
+    """Whether this backend can run on ``device``, and if not, why."""
+    device = torch.device(device)
+    try:
+        import triton
+    except ImportError:
+        return False, "triton is not installed"
+    if device.type == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            return False, _NPU_INSTALL_HINT
+        try:
+            backend = triton.runtime.driver.active.get_current_target().backend
+        except (
+            AttributeError,
+            RuntimeError,
+        ) as exc:  # no active driver, or not the Ascend backend's
+            return False, f"{_NPU_INSTALL_HINT} (no active Triton NPU driver: {exc})"
+        if backend != "npu":
+            return (
+                False,
+                f"{_NPU_INSTALL_HINT} (active Triton backend is {backend!r}, not 'npu')",
+            )
+        return True, ""
+    if config.interpreter_enabled():
+        if device.type not in ("cpu", "cuda"):
+            return (
+                False,
+                f"the Triton interpreter does not support device type {device.type!r}",
+            )
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            return (
+                False,
+                "the Triton interpreter (TRITON_INTERPRET=1) needs numpy: pip install numpy",
+            )
+        return True, ""
+    if device.type == "cpu":
+        return False, "CPU needs TRITON_INTERPRET=1"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available"
+        return True, ""
+    return False, f"unsupported device type {device.type!r}"
+
+
+def _check(x, weight, casting_mode) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D with unit column stride, got shape {tuple(x.shape)} strides {x.stride()}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x dtype must be one of {_DTYPES}, got {x.dtype}")
+    if casting_mode not in _CASTING_MODES:
+        raise ValueError(f"casting_mode must be one of {_CASTING_MODES}, got {casting_mode!r}")
+    if weight is not None and (weight.shape != (x.shape[1],) or not weight.is_contiguous()):
+        raise ValueError(f"weight must be a contiguous ({x.shape[1]},) tensor, got shape {tuple(weight.shape)}")
+
+
+def _schedule(p, device) -> tuple[int, int]:
+    """``(grid, tasks_per_program)`` for a plan: at most one program per core and per row task.
+
+    The block-row schedule hands each program a contiguous slab of ``tasks_per_program`` row blocks;
+    the grid is then trimmed so that no program's slab is empty.
+    """
+    grid = config.grid_size(p.num_tasks, device)
+    tasks_per_program = -(-p.num_tasks // grid)
+    if p.path == "block_row":
+        grid = -(-p.num_tasks // tasks_per_program)
+    return grid, tasks_per_program
+
+
+def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, store_residual, op):
+    """Shared launch of the plain and fused forward: the fused add is the kernels' HAS_RESIDUAL case."""
+    _check(x, weight, casting_mode)
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    res_out = torch.empty((M, N), dtype=x.dtype, device=x.device) if store_residual else y
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device) if store_rstd else None
+    if M == 0:
+        return y, res_out, rstd
+    k = _kernels()
+    p = plan(M, N, x.dtype, op)
+    grid, tasks_per_program = _schedule(p, x.device)
+    has_res = residual is not None
+    r = residual if has_res else x  # unused pointer when HAS_RESIDUAL is off
+    common_args = (
+        x, r, y, res_out, weight if weight is not None else x, rstd if store_rstd else y,
+        M, N, x.stride(0), r.stride(0), y.stride(0), res_out.stride(0), float(eps), float(offset),
+    )  # fmt: skip
+    flags = {
+        "BLOCK_M": p.block_m,
+        "BLOCK_N": p.block_n,
+        "CASTING": k.CASTING_IDS[casting_mode],
+        "HAS_W": weight is not None,
+        "HAS_RESIDUAL": has_res,
+        "STORE_RESIDUAL": store_residual,
+        "STORE_RSTD": store_rstd,
+        "EVEN_M": p.even_m,
+        "EVEN_N": p.even_n,
+    }
+    if p.path == "partitioned":
+        launch(k.rms_norm_fwd_partitioned_kernel, (grid,), *common_args, **flags)
+    else:
+        launch(
+            k.rms_norm_fwd_kernel,
+            (grid,),
+            *common_args,
+            tasks_per_program,
+            BLOCK_ROW_SCHEDULE=p.path == "block_row",
+            **flags,
+        )
+    return y, res_out, rstd
+
+
+def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True):
+    """RMSNorm forward. Returns ``(y, rstd)``: ``y`` contiguous in x's dtype, ``rstd`` (M,) fp32 or None."""
+    y, _, rstd = _forward_impl(x, None, weight, eps, offset, casting_mode, store_rstd, False, "forward")
+    return y, rstd
+
+
+def fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, *, store_rstd=True):
+    """``S = x + residual``; ``y = rms_norm(S)``. Returns ``(y, residual_out, rstd)``.
+
+    ``mode="pre"``: ``residual_out = S``. ``mode="post"``: ``residual_out`` is ``y`` itself and ``S``
+    is never written to memory.
+    """
+    if mode not in _FUSED_ADD_MODES:
+        raise ValueError(f"mode must be one of {_FUSED_ADD_MODES}, got {mode!r}")
+    if residual.shape != x.shape or residual.stride(1) != 1:
+        raise ValueError("residual must have x's shape and unit column stride")
+    if residual.dtype != x.dtype:
+        raise TypeError(f"residual dtype {residual.dtype} must match x dtype {x.dtype}")
+    return _forward_impl(
+        x,
+        residual,
+        weight,
+        eps,
+        offset,
+        casting_mode,
+        store_rstd,
+        mode == "pre",
+        "fused_add",
+    )
+
+
+def backward(dy, x, weight, rstd, offset, casting_mode):
+    """RMSNorm backward (the fp32 formula for every casting mode). Returns ``(dx, dw)``.
+
+    ``dx = rstd * (w~*dy - x^ * mean(x^ * w~ * dy))`` with ``x^ = x*rstd``, ``w~ = offset + w``;
+    ``dw = sum_rows(dy * x^)`` in weight's dtype, or None without weight. dw is reduced in two
+    deterministic steps: per-program fp32 rows ``(grid, N)``, then a reduction kernel.
+    """
+    _check(x, weight, casting_mode)
+    if dy.shape != x.shape or dy.stride(1) != 1:
+        raise ValueError("dy must have x's shape and unit column stride")
+    M, N = x.shape
+    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    has_w = weight is not None
+    if M == 0:
+        return dx, (torch.zeros_like(weight) if has_w else None)
+    k = _kernels()
+    rstd = rstd.to(torch.float32).contiguous()
+    p = plan(M, N, x.dtype, "backward")
+    grid, tasks_per_program = _schedule(p, x.device)
+    partitioned = p.path == "partitioned"
+    if has_w:
+        # Partitioned programs accumulate into their row in place (needs zeros); tile programs
+        # write their whole row once.
+        alloc = torch.zeros if partitioned else torch.empty
+        partial = alloc((grid, N), dtype=torch.float32, device=x.device)
+    else:
+        partial = dx  # unused pointer when HAS_W is off
+    args = (
+        dy,
+        x,
+        weight if has_w else x,
+        rstd,
+        dx,
+        partial,
+        M,
+        N,
+        dy.stride(0),
+        x.stride(0),
+        dx.stride(0),
+    )
+    flags = {
+        "BLOCK_M": p.block_m,
+        "BLOCK_N": p.block_n,
+        "HAS_W": has_w,
+        "EVEN_M": p.even_m,
+        "EVEN_N": p.even_n,
+    }
+    if partitioned:
+        cta_barrier = x.device.type == "cuda"
+        launch(
+            k.rms_norm_bwd_partitioned_kernel,
+            (grid,),
+            *args,
+            float(offset),
+            CTA_BARRIER=cta_barrier,
+            **flags,
+        )
+    else:
+        launch(
+            k.rms_norm_bwd_kernel,
+            (grid,),
+            *args,
+            float(offset),
+            tasks_per_program,
+            BLOCK_ROW_SCHEDULE=p.path == "block_row",
+            **flags,
+        )
+    if not has_w:
+        return dx, None
+    dw = torch.empty((N,), dtype=weight.dtype, device=x.device)
+    P = grid
+    block_p = min(config.REDUCE_BLOCK_P, config.next_power_of_2(P))
+    block_n = config.reduce_block_n(N)
+    reduce_grid = config.grid_size(-(-N // block_n), x.device)
+    launch(
+        k.rms_norm_dw_reduce_kernel,
+        (reduce_grid,),
+        partial,
+        dw,
+        P,
+        N,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        EVEN_P=P % block_p == 0,
+        EVEN_N=N % block_n == 0,
+    )
+    return dx, dw

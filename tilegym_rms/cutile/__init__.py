@@ -1,0 +1,161 @@
+"""cuTile backend: host side of the kernels in :mod:`.kernels`, tuned by :mod:`.config`.
+
+Implements the backend contract of :mod:`tilegym_rms.dispatch` on 2-D ``(M, N)`` views whose
+last dim is dense. ``cuda.tile`` is imported lazily so that this package imports anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import config
+
+# Compute capabilities that tileiras targets: 8.x, 9.0, 10.x and 12.x.
+SUPPORTED_CC_MAJORS = (8, 10, 12)
+SUPPORTED_CC_EXACT = ((9, 0),)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _toolchain_status() -> tuple[bool, str]:
+    try:
+        import cuda.tile  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return False, f"cuda.tile is not importable ({exc}); pip install 'tilegym_rms[cuda]'"
+    try:
+        from cuda.tile._compile import _find_compiler_bin
+
+        _find_compiler_bin()
+    except Exception as exc:
+        return False, f"the tileiras compiler was not found ({exc})"
+    return True, ""
+
+
+def cc_supported(cc: tuple[int, int]) -> bool:
+    return cc[0] in SUPPORTED_CC_MAJORS or tuple(cc) in SUPPORTED_CC_EXACT
+
+
+@functools.lru_cache(maxsize=None)
+def _device_status(device_index: int) -> tuple[bool, str]:
+    cc = torch.cuda.get_device_capability(device_index)
+    if not cc_supported(cc):
+        return False, f"compute capability {cc[0]}.{cc[1]} is not a tileiras target (8.x, 9.0, 10.x, 12.x)"
+    return _toolchain_status()
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    """Whether the cuTile kernels can run on ``device``, and if not, why."""
+    if device.type != "cuda":
+        return False, f"cuTile runs on CUDA devices, not {device.type}"
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU is available"
+    return _device_status(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=4096)
+def _forward_config(device_index, m_bucket, n, dtype, mode):
+    from .launch import num_sms
+
+    return config.forward_config(m_bucket, n, dtype, num_sms(device_index), mode)
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_config(device_index, m, n, dtype):
+    from .launch import num_sms
+
+    return config.backward_config(m, n, dtype, num_sms(device_index))
+
+
+def forward_config(x: torch.Tensor, mode: str | None = None) -> config.ForwardConfig:
+    """The forward configuration the dispatcher picks for ``x`` (M, N); tests assert on it."""
+    m, n = x.shape
+    cfg = _forward_config(_device_index(x), config.m_bucket(m), n, x.dtype, mode)
+    # Tiles come from the bucket; the grid must follow the real M (no block without a tile).
+    if cfg.mode == "gather":
+        return config.ForwardConfig(cfg.mode, cfg.tile_m, cfg.tile_n, cfg.single_tile, m)
+    return config.ForwardConfig(cfg.mode, cfg.tile_m, cfg.tile_n, True, min(cfg.grid, config.cdiv(m, cfg.tile_m)))
+
+
+def _weight_arg(weight, x):
+    # Kernels without affine never read the weight; any 1-D tensor of the right kind stands in.
+    return weight if weight is not None else x.new_empty((1,))
+
+
+def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None):
+    """``(y, rstd)`` for a 2-D ``x``; see :func:`tilegym_rms.dispatch.Backend.forward`."""
+    from .kernels import CAST_CODES, rms_norm_fwd_gather, rms_norm_fwd_persistent
+    from .launch import launch
+
+    del store_rstd  # rstd is one fp32 per row: always stored, its cost is negligible
+    m, n = x.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y, rstd
+    cfg = forward_config(x, mode)
+    cast = CAST_CODES[casting_mode]
+    w = _weight_arg(weight, x)
+    has_w = weight is not None
+    if cfg.mode == "gather":
+        args = (x, w, y, rstd, float(eps), float(offset), cfg.tile_n, cast, has_w, cfg.single_tile)
+        launch(rms_norm_fwd_gather, (m,), args, x.device)
+    else:
+        args = (x, w, y, rstd, float(eps), float(offset), cfg.tile_m, cfg.tile_n, cast, has_w)
+        launch(rms_norm_fwd_persistent, (cfg.grid,), args, x.device)
+    return y, rstd
+
+
+def backward_config(x: torch.Tensor) -> config.BackwardConfig:
+    m, n = x.shape
+    return _backward_config(_device_index(x), m, n, x.dtype)
+
+
+def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of the fp32 dw partial buffer (grid x N x 4) the backward allocates."""
+    from .launch import num_sms
+
+    cfg = config.backward_config(m, n, dtype, num_sms(device.index if device.index is not None else 0))
+    return cfg.grid * n * 4
+
+
+def backward(dy, x, weight, rstd, offset, casting_mode):
+    """``(dx, dw)`` for 2-D ``x`` and ``dy``; see :func:`tilegym_rms.dispatch.Backend.backward`."""
+    from .kernels import (
+        rms_norm_bwd_column_chunk,
+        rms_norm_bwd_persistent,
+        rms_norm_bwd_row_dot,
+        rms_norm_dw_reduce,
+    )
+    from .launch import launch
+
+    del casting_mode  # the backward formula is the same for every casting mode
+    m, n = x.shape
+    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    has_w = weight is not None
+    if m == 0:
+        return dx, (torch.zeros_like(weight) if has_w else None)
+    cfg = backward_config(x)
+    w = _weight_arg(weight, x)
+    # A dummy keeps the signature when there is no weight (nothing is written to it then).
+    dw_partial = torch.empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32, device=x.device)
+    if cfg.mode == "fused":
+        args = (dy, x, w, rstd, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
+        launch(rms_norm_bwd_persistent, (cfg.grid,), args, x.device)
+    else:
+        row_dot = torch.empty((m,), dtype=torch.float32, device=x.device)
+        args = (dy, x, w, rstd, row_dot, float(offset), cfg.tile_m, cfg.tile_n, has_w)
+        launch(rms_norm_bwd_row_dot, (min(m, cfg.grid * cfg.num_chunks),), args, x.device)
+        args = (dy, x, w, rstd, row_dot, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
+        launch(rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args, x.device)
+    if not has_w:
+        return dx, None
+    dw = torch.empty((n,), dtype=weight.dtype, device=x.device)
+    launch(rms_norm_dw_reduce, (config.reduce_grid(n),), (dw_partial, dw, config.REDUCE_TILE_G, config.REDUCE_TILE_N),
+           x.device)
+    return dx, dw

@@ -1,0 +1,105 @@
+"""Launch heuristics for the cuTile kernels: which kernel, which tile shape, which grid.
+
+Kept apart from the kernels so that tuning never touches kernel code. Every choice is a pure
+function of ``(M, N, dtype, num_sms)``; the host caches the result per (device, N, dtype, mode,
+M bucket). Tile shapes are powers of two; ``TILE_N`` never depends on M, so a new M compiles
+nothing new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FORWARD_MODES = ("gather", "persistent")
+
+# Widest row kept in registers as one tile. Wider rows take the column-chunked kernels.
+MAX_SINGLE_TILE_N = 8192
+# Column chunk of the chunked kernels.
+CHUNK_N = 4096
+# Elements per tile that the forward / backward aim for (enough bytes in flight per block).
+FWD_TILE_ELEMS = 16384
+BWD_TILE_ELEMS = 8192
+MAX_TILE_M = 16
+# Persistent grids launch this many blocks per SM (at most one per row tile).
+BLOCKS_PER_SM = 2
+# The forward uses the gather kernel (one row per block) while M is at most this many waves of SMs:
+# with so few rows, a block per row spreads them widest.
+GATHER_MAX_ROWS_PER_SM = 2
+# Final dw reduction: partial rows summed per step, columns per block.
+REDUCE_TILE_G = 16
+REDUCE_TILE_N = 256
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def m_bucket(m: int) -> int:
+    """M rounded up to a power of two: configurations are cached per bucket, not per M."""
+    return next_pow2(max(m, 1))
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    mode: str  # "gather" or "persistent"
+    tile_m: int
+    tile_n: int
+    single_tile: bool  # gather only: the row fits one tile
+    grid: int
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    mode: str  # "fused" (rows fit one tile) or "chunked" (two kernels over column chunks)
+    tile_m: int
+    tile_n: int
+    grid: int  # row workers: rows of the dw partial buffer
+    num_chunks: int  # column chunks (1 when fused); the chunked grid is (grid, num_chunks)
+
+
+def _tile_m(tile_n: int, target_elems: int, m: int) -> int:
+    tile_m = max(1, min(MAX_TILE_M, target_elems // tile_n))
+    return min(tile_m, next_pow2(max(m, 1)))
+
+
+def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str | None = None) -> ForwardConfig:
+    """Chooses the forward kernel and its tiles. ``mode`` forces a kernel ("gather" / "persistent")."""
+    del dtype  # one table for all dtypes for now; the key keeps room for per-dtype tuning
+    fits = next_pow2(n) <= MAX_SINGLE_TILE_N
+    if mode is None:
+        mode = "persistent" if fits and m > GATHER_MAX_ROWS_PER_SM * num_sms else "gather"
+    if mode not in FORWARD_MODES:
+        raise ValueError(f"mode must be one of {FORWARD_MODES} or None, got {mode!r}")
+    if mode == "persistent" and not fits:
+        raise ValueError(
+            f"mode='persistent' needs rows of at most {MAX_SINGLE_TILE_N} elements (N={n}); use mode='gather'"
+        )
+    if mode == "gather":
+        tile_n = next_pow2(n) if fits else CHUNK_N
+        return ForwardConfig("gather", 1, tile_n, fits, m)
+    tile_n = next_pow2(n)
+    tile_m = _tile_m(tile_n, FWD_TILE_ELEMS, m)
+    return ForwardConfig("persistent", tile_m, tile_n, True, min(num_sms * BLOCKS_PER_SM, cdiv(m, tile_m)))
+
+
+def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> BackwardConfig:
+    """Chooses the backward kernels, tiles and the number of dw partial rows (``grid``)."""
+    del dtype
+    if next_pow2(n) <= MAX_SINGLE_TILE_N:
+        tile_n = next_pow2(n)
+        tile_m = _tile_m(tile_n, BWD_TILE_ELEMS, m)
+        return BackwardConfig("fused", tile_m, tile_n, min(num_sms * BLOCKS_PER_SM, cdiv(m, tile_m)), 1)
+    num_chunks = cdiv(n, CHUNK_N)
+    # Enough row workers that (workers x chunks) fills the GPU, never more than there are rows.
+    grid = max(1, min(cdiv(num_sms * BLOCKS_PER_SM, num_chunks), m))
+    return BackwardConfig("chunked", 1, CHUNK_N, grid, num_chunks)
+
+
+def reduce_grid(n: int) -> int:
+    return cdiv(n, REDUCE_TILE_N)

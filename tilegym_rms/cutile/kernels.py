@@ -1,0 +1,187 @@
+"""cuTile RMSNorm kernels.
+
+Every kernel works on a 2-D view ``(M, N)`` whose rows may be strided (the last dim is dense).
+Out-of-range columns are loaded as zeros, so padding never changes a sum of squares, a row dot
+product or a dw column. Compile-time constants:
+
+* ``TILE_M`` / ``TILE_N``: tile shape (powers of two); ``TILE_N >= N`` in the single-tile kernels.
+* ``CAST``: casting mode (:data:`CAST_LLAMA`, :data:`CAST_GEMMA`, :data:`CAST_NONE`).
+* ``HAS_W``: False for RMSNorm without affine (the weight argument is then a dummy).
+
+``eps`` and ``offset`` are run-time scalars so that changing them never recompiles.
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+from ..experimental import experimental_kernel
+
+CAST_LLAMA, CAST_GEMMA, CAST_NONE = 0, 1, 2
+CAST_CODES = {"llama": CAST_LLAMA, "gemma": CAST_GEMMA, "none": CAST_NONE}
+
+_ZERO = ct.PaddingMode.ZERO
+_F32 = ct.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared tile helpers (inlined into each kernel)
+# ----------------------------------------------------------------------------------------------
+
+
+def _round_to(t, dtype):
+    """Round an fp32 tile through ``dtype`` and back: models a computation done in ``dtype``."""
+    return ct.astype(ct.astype(t, dtype), _F32)
+
+
+def _load_f32(array, index, shape, latency):
+    return ct.astype(ct.load(array, index, shape, padding_mode=_ZERO, latency=latency), _F32)
+
+
+def _effective_weight(w, chunk, offset, TILE_N, HAS_W, CAST, dtype):
+    """``offset + w`` for one column chunk as a ``(1, TILE_N)`` fp32 tile (ones without a weight)."""
+    if HAS_W:
+        wt = ct.reshape(_load_f32(w, (chunk,), (TILE_N,), None), (1, TILE_N)) + offset
+        if CAST == CAST_NONE:
+            wt = _round_to(wt, dtype)
+        return wt
+    return ct.full((1, TILE_N), 1.0, dtype=_F32)
+
+
+def _rstd_from_sum_sq(sum_sq, n, eps, CAST, dtype):
+    """``1 / sqrt(sum_sq / n + eps)``; in ``none`` mode the mean and rstd are rounded to ``dtype``."""
+    mean_sq = sum_sq / n
+    if CAST == CAST_NONE:
+        return _round_to(ct.rsqrt(_round_to(mean_sq, dtype) + eps), dtype)
+    return ct.rsqrt(mean_sq + eps)
+
+
+def _normalize(xf, r, wt, CAST, dtype):
+    """``y = x * rstd * w~`` with the casting mode's roundings, returned in ``dtype``."""
+    if CAST == CAST_GEMMA:
+        return ct.astype(xf * r * wt, dtype)
+    return ct.astype(_round_to(xf * r, dtype) * wt, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+@ct.kernel
+def rms_norm_fwd_gather(x, w, y, rstd, eps, offset, TILE_N: ct.Constant[int], CAST: ct.Constant[int],
+                        HAS_W: ct.Constant[bool], SINGLE_TILE: ct.Constant[bool]):
+    """One row per block. ``SINGLE_TILE``: the row fits one tile and stays in registers; otherwise
+    pass 1 sums squares over column chunks and pass 2 re-reads each chunk to normalize it."""
+    row = ct.bid(0)
+    n = x.shape[1]
+    if SINGLE_TILE:
+        xf = _load_f32(x, (row, 0), (1, TILE_N), 10)
+        r = _rstd_from_sum_sq(ct.sum(xf * xf, axis=1, keepdims=True), n, eps, CAST, x.dtype)
+        wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, x.dtype)
+        ct.store(y, (row, 0), _normalize(xf, r, wt, CAST, y.dtype), allow_tma=False)
+    else:
+        num_chunks = ct.cdiv(n, TILE_N)
+        acc = ct.zeros((1, TILE_N), dtype=_F32)
+        for j in range(num_chunks):
+            xf = _load_f32(x, (row, j), (1, TILE_N), 10)
+            acc = acc + xf * xf
+        r = _rstd_from_sum_sq(ct.sum(acc, axis=1, keepdims=True), n, eps, CAST, x.dtype)
+        for j in range(num_chunks):
+            xf = _load_f32(x, (row, j), (1, TILE_N), 10)
+            wt = _effective_weight(w, j, offset, TILE_N, HAS_W, CAST, x.dtype)
+            ct.store(y, (row, j), _normalize(xf, r, wt, CAST, y.dtype), allow_tma=False)
+    ct.store(rstd, (row,), ct.reshape(r, (1,)))
+
+
+@ct.kernel
+def rms_norm_fwd_persistent(x, w, y, rstd, eps, offset, TILE_M: ct.Constant[int], TILE_N: ct.Constant[int],
+                            CAST: ct.Constant[int], HAS_W: ct.Constant[bool]):
+    """Static persistent: the weight is loaded once per block, which then grid-strides over
+    ``TILE_M x TILE_N`` row tiles (``TILE_N >= N``)."""
+    n = x.shape[1]
+    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, x.dtype)
+    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
+        xf = _load_f32(x, (t, 0), (TILE_M, TILE_N), 10)
+        r = _rstd_from_sum_sq(ct.sum(xf * xf, axis=1, keepdims=True), n, eps, CAST, x.dtype)
+        ct.store(y, (t, 0), _normalize(xf, r, wt, CAST, y.dtype), allow_tma=False, latency=3)
+        ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)), allow_tma=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dx = rstd * (g - x^ * mean(x^ * g)),  g = w~ * dy,  x^ = x * rstd;  dw = sum_rows dy * x^
+# ----------------------------------------------------------------------------------------------
+
+
+def _load_rstd(rstd, t, TILE_M):
+    return ct.reshape(ct.load(rstd, (t,), (TILE_M,), padding_mode=_ZERO), (TILE_M, 1))
+
+
+@experimental_kernel
+@ct.kernel
+def rms_norm_bwd_persistent(dy, x, w, rstd, dx, dw_partial, offset, TILE_M: ct.Constant[int],
+                            TILE_N: ct.Constant[int], HAS_W: ct.Constant[bool]):
+    """Rows fit one tile (``TILE_N >= N``). Each block grid-strides over row tiles, writes dx, and
+    keeps its share of dw in fp32 registers; at the end it writes row ``bid`` of ``dw_partial``."""
+    n = x.shape[1]
+    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
+    dw_acc = ct.zeros((1, TILE_N), dtype=_F32)
+    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
+        r = _load_rstd(rstd, t, TILE_M)
+        xhat = _load_f32(x, (t, 0), (TILE_M, TILE_N), 10) * r
+        dyf = _load_f32(dy, (t, 0), (TILE_M, TILE_N), 10)
+        g = dyf * wt
+        c = ct.sum(xhat * g, axis=1, keepdims=True) / n
+        ct.store(dx, (t, 0), ct.astype((g - xhat * c) * r, dx.dtype), allow_tma=False, latency=3)
+        if HAS_W:
+            dw_acc = dw_acc + ct.sum(dyf * xhat, axis=0, keepdims=True)
+    if HAS_W:
+        ct.store(dw_partial, (ct.bid(0), 0), dw_acc, allow_tma=False)
+
+
+@experimental_kernel
+@ct.kernel
+def rms_norm_bwd_row_dot(dy, x, w, rstd, row_dot, offset, TILE_M: ct.Constant[int], TILE_N: ct.Constant[int],
+                         HAS_W: ct.Constant[bool]):
+    """Wide rows, step 1 of 2: ``row_dot[m] = mean(x^ * w~ * dy)`` over column chunks."""
+    n = x.shape[1]
+    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
+        r = _load_rstd(rstd, t, TILE_M)
+        acc = ct.zeros((TILE_M, TILE_N), dtype=_F32)
+        for j in range(ct.cdiv(n, TILE_N)):
+            wt = _effective_weight(w, j, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
+            acc = acc + _load_f32(x, (t, j), (TILE_M, TILE_N), 10) * _load_f32(dy, (t, j), (TILE_M, TILE_N), 10) * wt
+        ct.store(row_dot, (t,), ct.reshape(ct.sum(acc, axis=1, keepdims=True) * r / n, (TILE_M,)))
+
+
+@experimental_kernel
+@ct.kernel
+def rms_norm_bwd_column_chunk(dy, x, w, rstd, row_dot, dx, dw_partial, offset, TILE_M: ct.Constant[int],
+                              TILE_N: ct.Constant[int], HAS_W: ct.Constant[bool]):
+    """Wide rows, step 2 of 2: block ``(b, j)`` owns column chunk ``j`` and grid-strides over row
+    tiles along axis 0; it writes dx for its chunk and its dw share into ``dw_partial[b, chunk j]``."""
+    j = ct.bid(1)
+    wt = _effective_weight(w, j, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
+    dw_acc = ct.zeros((1, TILE_N), dtype=_F32)
+    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
+        r = _load_rstd(rstd, t, TILE_M)
+        xhat = _load_f32(x, (t, j), (TILE_M, TILE_N), 10) * r
+        dyf = _load_f32(dy, (t, j), (TILE_M, TILE_N), 10)
+        c = ct.reshape(ct.load(row_dot, (t,), (TILE_M,), padding_mode=_ZERO), (TILE_M, 1))
+        ct.store(dx, (t, j), ct.astype((dyf * wt - xhat * c) * r, dx.dtype), allow_tma=False, latency=3)
+        if HAS_W:
+            dw_acc = dw_acc + ct.sum(dyf * xhat, axis=0, keepdims=True)
+    if HAS_W:
+        ct.store(dw_partial, (ct.bid(0), j), dw_acc, allow_tma=False)
+
+
+@experimental_kernel
+@ct.kernel
+def rms_norm_dw_reduce(dw_partial, dw, TILE_G: ct.Constant[int], TILE_N: ct.Constant[int]):
+    """Final reduction: ``dw[cols] = sum over the partial rows``, in a fixed order (deterministic),
+    cast to the weight dtype. Block ``j`` owns column chunk ``j``."""
+    j = ct.bid(0)
+    acc = ct.zeros((TILE_G, TILE_N), dtype=_F32)
+    for g in range(ct.cdiv(dw_partial.shape[0], TILE_G)):
+        acc = acc + ct.load(dw_partial, (g, j), (TILE_G, TILE_N), padding_mode=_ZERO)
+    ct.store(dw, (j,), ct.astype(ct.sum(acc, axis=0), dw.dtype))

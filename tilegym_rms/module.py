@@ -1,0 +1,39 @@
+"""``RMSNorm``: a drop-in ``torch.nn.RMSNorm`` whose forward runs :func:`tilegym_rms.rms_norm`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .ops import rms_norm
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` with tilegym_rms kernels.
+
+    Same constructor as ``torch.nn.RMSNorm`` plus ``offset`` (added to the weight: Gemma uses 1.0),
+    ``casting_mode`` (``"llama"``, ``"gemma"``, ``"none"``) and ``backend`` (None chooses). A
+    multi-dim ``normalized_shape`` normalizes over the trailing dims together, as torch does.
+    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in torch.
+    """
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, *,
+                 offset=0.0, casting_mode="llama", backend=None):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, device=device, dtype=dtype)
+        self.offset = offset
+        self.casting_mode = casting_mode
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        dims = len(self.normalized_shape)
+        if tuple(x.shape[x.dim() - dims:]) != tuple(self.normalized_shape):
+            raise ValueError(f"expected input with trailing shape {tuple(self.normalized_shape)}, got {tuple(x.shape)}")
+        weight = self.weight.reshape(-1) if self.weight is not None else None
+        flat = x.reshape(*x.shape[: x.dim() - dims], math.prod(self.normalized_shape)) if dims > 1 else x
+        y = rms_norm(flat, weight, eps, offset=self.offset, casting_mode=self.casting_mode, backend=self.backend)
+        return y.view(x.shape) if dims > 1 else y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, offset={self.offset}, casting_mode={self.casting_mode!r}"

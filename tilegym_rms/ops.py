@@ -1,0 +1,263 @@
+"""Public functional API and its PyTorch wiring.
+
+Eager calls go through :class:`RMSNormFunction` (a plain autograd Function: the least host work
+per call). Under ``torch.compile`` the same computation is reached through the custom ops
+``tilegym_rms::rms_norm_fwd`` / ``tilegym_rms::rms_norm_bwd``, which have fake (meta)
+implementations and registered autograd, so a compiled model traces without graph breaks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _checks
+from .dispatch import backend_module, resolve_backend
+
+_KERNEL_DTYPES = _checks.KERNEL_DTYPES
+
+
+# ----------------------------------------------------------------------------------------------
+# Shape plumbing shared by every path: N-D tensors <-> the 2-D row views the backends take
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A 2-D ``(M, N)`` view with a dense last dim; copies only when no such view exists."""
+    t2 = t.reshape(-1, n)
+    if (n > 1 and t2.stride(1) != 1) or (t2.shape[0] > 1 and t2.stride(0) < n):
+        t2 = t2.contiguous()  # a gather along the row, or rows that overlap (broadcast grads)
+    return t2
+
+
+def _backend(x: torch.Tensor, name: str):
+    module = backend_module(name)
+    _checks.check_dtype_for_backend(x, name, getattr(module, "SUPPORTED_DTYPES", _KERNEL_DTYPES))
+    return module
+
+
+def _dense_weight(weight):
+    return weight.contiguous() if weight is not None else None
+
+
+def _forward(x, weight, eps, offset, casting_mode, backend, mode=None):
+    """``(y, rstd)`` with ``y`` shaped like ``x`` and ``rstd`` shaped ``x.shape[:-1]``."""
+    module = _backend(x, backend)
+    n = x.shape[-1]
+    kwargs = {"mode": mode} if mode is not None else {}
+    y, rstd = module.forward(_rows(x, n), _dense_weight(weight), eps, offset, casting_mode, **kwargs)
+    return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+def _backward(dy, x, weight, rstd, offset, casting_mode, backend):
+    module = _backend(x, backend)
+    n = x.shape[-1]
+    dx, dw = module.backward(_rows(dy, n), _rows(x, n), _dense_weight(weight), rstd.reshape(-1), offset, casting_mode)
+    return dx.view(x.shape), dw
+
+
+# ----------------------------------------------------------------------------------------------
+# Eager autograd
+# ----------------------------------------------------------------------------------------------
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """``y = rms_norm(x)``; saves ``x``, ``weight`` and ``rstd`` for the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting_mode, backend, mode):
+        y, rstd = _forward(x, weight, eps, offset, casting_mode, backend, mode)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.config = (offset, casting_mode, backend)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(dy, x, weight, rstd, *ctx.config)
+        return dx, dw, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops (the torch.compile path)
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tilegym_rms::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    offset: float,
+    casting_mode: str,
+    backend: str,
+    mode: Optional[str],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(x, weight, eps, offset, casting_mode, backend, mode)
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps, offset, casting_mode, backend, mode):
+    rstd_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), x.new_empty(x.shape[:-1], dtype=rstd_dtype)
+
+
+@torch.library.custom_op("tilegym_rms::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    offset: float,
+    casting_mode: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = _backward(dy, x, weight, rstd, offset, casting_mode, backend)
+    # A custom op cannot return None: without a weight, dw is an empty tensor.
+    return dx, dw if dw is not None else x.new_empty((0,))
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, offset, casting_mode, backend):
+    dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw
+
+
+def _fwd_op_setup_context(ctx, inputs, output):
+    x, weight, _eps, offset, casting_mode, backend, _mode = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.config = (offset, casting_mode, backend)
+
+
+def _fwd_op_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, *ctx.config)
+    return dx, (dw if weight is not None else None), None, None, None, None, None
+
+
+_rms_norm_fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None, mode=None):
+    """RMSNorm over the last dim of ``x``: ``y = x * rstd * (offset + weight)``,
+    ``rstd = 1 / sqrt(mean(x^2) + eps)``. Differentiable in ``x`` and ``weight``.
+
+    Args:
+        x: any shape ``(..., N)``; float32, float16 or bfloat16 (float64 on the torch backend).
+            Non-contiguous inputs are fine (strided rows are read in place; others are copied once).
+        weight: ``(N,)`` of any floating dtype, or None for RMSNorm without affine.
+        eps: added to the mean square; ``>= 0``.
+        offset: added to the weight (Gemma uses 1.0); must be 0 without a weight.
+        casting_mode: ``"llama"``, ``"gemma"`` or ``"none"``; see :mod:`tilegym_rms.reference`.
+        backend: ``"cutile"``, ``"triton"``, ``"torch"`` or None (choose; ``TILEGYM_RMS_BACKEND``
+            overrides the choice).
+        mode: forward kernel of the cutile backend (``"gather"`` / ``"persistent"``); None chooses.
+
+    Returns:
+        ``y``, with the shape and dtype of ``x``.
+    """
+    _checks.check_inputs(x, weight, eps, offset, casting_mode)
+    name = resolve_backend(x.device, backend)
+    if torch.compiler.is_compiling():
+        return _rms_norm_fwd_op(x, weight, float(eps), float(offset), casting_mode, name, mode)[0]
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, name, mode)
+    return _forward(x, weight, eps, offset, casting_mode, name, mode)[0]
+
+
+def rms_norm_forward(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None, mode=None):
+    """Forward without autograd: returns ``(y, rstd)``, ``rstd`` fp32 of shape ``x.shape[:-1]``
+    (what :func:`rms_norm_backward` takes). Arguments as :func:`rms_norm`."""
+    _checks.check_inputs(x, weight, eps, offset, casting_mode)
+    with torch.no_grad():
+        return _forward(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), mode)
+
+
+def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode="llama", backend=None):
+    """Standalone backward (no autograd graph): returns ``(dx, dw)`` for ``y = rms_norm(x, weight)``
+    given the upstream gradient ``dy`` and the ``rstd`` of :func:`rms_norm_forward`. ``dw`` is None
+    when ``weight`` is None. Deterministic: the same inputs give bitwise the same ``dw``."""
+    _checks.check_inputs(x, weight, 0.0, offset, casting_mode)
+    _checks.check_like("dy", dy, x)
+    _checks.check_rstd(rstd, x)
+    with torch.no_grad():
+        return _backward(dy, x, weight, rstd, offset, casting_mode, resolve_backend(x.device, backend))
+
+
+def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, backend: str, device=None) -> int:
+    """Bytes of the fp32 dw partial buffer that ``backend``'s backward allocates for ``(m, n)``."""
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    module = backend_module(backend)
+    fn = getattr(module, "backward_workspace_bytes", None)
+    return fn(m, n, dtype, device) if fn is not None else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused residual add + RMSNorm
+# ----------------------------------------------------------------------------------------------
+
+
+def _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend):
+    module = _backend(x, backend)
+    n = x.shape[-1]
+    fused = getattr(module, "fused_add_forward", None)
+    if fused is not None:
+        y, res_out, rstd = fused(_rows(x, n), _rows(residual, n), _dense_weight(weight), eps, mode, offset, casting_mode)
+        res_out = res_out.view(x.shape) if mode == "pre" else None
+    else:  # a backend without a fused kernel: the add in torch, the norm in the backend's kernel
+        res_out = x + residual
+        y, rstd = module.forward(_rows(res_out, n), _dense_weight(weight), eps, offset, casting_mode)
+    return y.view(x.shape), res_out, rstd.view(x.shape[:-1])
+
+
+class FusedAddRMSNormFunction(torch.autograd.Function):
+    """``(y, residual_out)`` of :func:`fused_add_rms_norm`; the backward reuses the RMSNorm backward."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, mode, offset, casting_mode, backend):
+        y, res_out, rstd = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend)
+        # "pre" keeps the sum it wrote; "post" never wrote it and recomputes it in the backward.
+        saved = (res_out, None) if mode == "pre" else (x, residual)
+        ctx.save_for_backward(*saved, weight, rstd)
+        ctx.config = (mode, offset, casting_mode, backend)
+        if mode == "post":
+            return y, y.detach()  # residual_out is y; autograd sums both gradients below
+        return y, res_out
+
+    @staticmethod
+    def backward(ctx, dy, dres):
+        a, b, weight, rstd = ctx.saved_tensors
+        mode, offset, casting_mode, backend = ctx.config
+        s = a if mode == "pre" else a + b
+        if mode == "post" and dres is not None:
+            dy = dy + dres  # residual_out = y: its gradient flows into the norm too
+        ds, dw = _backward(dy, s, weight, rstd, offset, casting_mode, backend)
+        if mode == "pre" and dres is not None:
+            ds = ds + dres
+        return ds, ds, dw, None, None, None, None, None
+
+
+def fused_add_rms_norm(
+    x, residual, weight=None, eps=1e-6, *, mode="pre", offset=0.0, casting_mode="llama", backend=None
+):
+    """Residual add fused with RMSNorm: returns ``(y, residual_out)``.
+
+    ``mode="pre"`` (pre-norm blocks): ``residual_out = x + residual``, ``y = rms_norm(residual_out)``.
+    ``mode="post"``: ``y = rms_norm(x + residual)``, ``residual_out = y`` (the sum is never written).
+    Differentiable in ``x``, ``residual`` and ``weight``. Other arguments as :func:`rms_norm`.
+    """
+    _checks.check_inputs(x, weight, eps, offset, casting_mode)
+    _checks.check_like("residual", residual, x)
+    _checks.check_fused_mode(mode)
+    name = resolve_backend(x.device, backend)
+    needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
+    if torch.is_grad_enabled() and needs_grad:
+        return FusedAddRMSNormFunction.apply(x, residual, weight, eps, mode, offset, casting_mode, name)
+    y, res_out, _ = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, name)
+    return y, (res_out if mode == "pre" else y)
