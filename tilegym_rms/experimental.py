@@ -20,7 +20,7 @@ class ExperimentalKernelWarning(UserWarning):
 
 
 _marked: dict[int, tuple[str, tuple[str, ...] | None]] = {}
-_warned: set[str] = set()
+_warned: set[int] = set()  # ids of kernels that have warned
 _lock = threading.Lock()
 
 
@@ -58,13 +58,14 @@ def notify_launch(kernel, device_type: str | None = None) -> None:
     """Called by the launch helpers before each launch: warns once per marked kernel."""
     if not is_experimental(kernel, device_type):
         return
-    name = _marked[id(kernel)][0]
-    if name in _warned:
+    key = id(kernel)
+    if key in _warned:
         return
     with _lock:
-        if name in _warned:
+        if key in _warned:
             return
-        _warned.add(name)
+        _warned.add(key)
+    name = _marked[key][0]
     if os.environ.get(SILENCE_ENV, "") not in ("", "0"):
         return
     where = f" on {device_type}" if device_type else ""

@@ -21,7 +21,7 @@ import torch
 
 from tilegym_rms.ascend import config
 from tilegym_rms.ascend.config import choose_path, plan
-from tilegym_rms.ascend.launch import launch
+from tilegym_rms.ascend import launch as _launch
 
 __all__ = [
     "available",
@@ -147,9 +147,9 @@ def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, st
         "EVEN_N": p.even_n,
     }
     if p.path == "partitioned":
-        launch(k.rms_norm_fwd_partitioned_kernel, (grid,), *common_args, **flags)
+        _launch.launch(k.rms_norm_fwd_partitioned_kernel, (grid,), *common_args, **flags)
     else:
-        launch(
+        _launch.launch(
             k.rms_norm_fwd_kernel,
             (grid,),
             *common_args,
@@ -240,7 +240,7 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     }
     if partitioned:
         cta_barrier = x.device.type == "cuda"
-        launch(
+        _launch.launch(
             k.rms_norm_bwd_partitioned_kernel,
             (grid,),
             *args,
@@ -249,7 +249,7 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
             **flags,
         )
     else:
-        launch(
+        _launch.launch(
             k.rms_norm_bwd_kernel,
             (grid,),
             *args,
@@ -265,7 +265,7 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     block_p = min(config.REDUCE_BLOCK_P, config.next_power_of_2(P))
     block_n = config.reduce_block_n(N)
     reduce_grid = config.grid_size(-(-N // block_n), x.device)
-    launch(
+    _launch.launch(
         k.rms_norm_dw_reduce_kernel,
         (reduce_grid,),
         partial,

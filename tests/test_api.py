@@ -1,0 +1,171 @@
+"""Public API: input errors, shapes, dispatch, the experimental warning (CPU)."""
+
+import warnings
+
+import pytest
+import torch
+
+import tilegym_rms
+from tilegym_rms import dispatch, experimental
+
+
+def test_leading_dims_and_dtypes_preserved():
+    for shape in [(16,), (3, 16), (2, 3, 4, 16)]:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            x = torch.randn(shape, dtype=dtype)
+            y = tilegym_rms.rms_norm(x, torch.ones(16))
+            assert y.shape == x.shape and y.dtype == dtype
+
+
+def test_weight_dtype_may_differ_output_follows_x():
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    y = tilegym_rms.rms_norm(x, torch.randn(8, dtype=torch.float32))
+    assert y.dtype == torch.bfloat16
+
+
+def test_empty_inputs():
+    x = torch.randn(0, 5, 32)
+    y, rstd = tilegym_rms.rms_norm_forward(x, torch.ones(32))
+    assert y.shape == (0, 5, 32) and rstd.shape == (0, 5)
+    dx, dw = tilegym_rms.rms_norm_backward(x, torch.randn_like(x), torch.ones(32), rstd)
+    assert dx.shape == x.shape and dw.shape == (32,) and torch.all(dw == 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"x": torch.tensor(1.0)}, ValueError, "at least one dimension"),
+        ({"x": torch.ones(2, 4, dtype=torch.int32)}, TypeError, "floating-point"),
+        ({"weight": torch.ones(5)}, ValueError, r"shape \(4,\)"),
+        ({"weight": torch.ones(2, 2)}, ValueError, r"shape \(4,\)"),
+        ({"weight": torch.ones(4, dtype=torch.int64)}, TypeError, "floating-point"),
+        ({"eps": -1e-6}, ValueError, "non-negative"),
+        ({"eps": float("nan")}, ValueError, "non-negative"),
+        ({"casting_mode": "fp8"}, ValueError, "'llama', 'gemma', 'none'"),
+        ({"backend": "cuda"}, ValueError, "'cutile', 'triton', 'torch'"),
+        ({"weight": None, "offset": 1.0}, ValueError, "offset applies to the weight"),
+        ({"x": [1.0, 2.0]}, TypeError, "torch.Tensor"),
+    ],
+)
+def test_input_errors_say_what_is_allowed(kwargs, exc, match):
+    args = {"x": torch.randn(2, 4), "weight": torch.ones(4), "eps": 1e-6, "casting_mode": "llama", "backend": None}
+    args.update(kwargs)
+    x, w = args.pop("x"), args.pop("weight")
+    with pytest.raises(exc, match=match):
+        tilegym_rms.rms_norm(x, w, **args)
+
+
+def test_device_mismatch_is_a_clear_error():
+    x = torch.randn(2, 4)
+    w = torch.ones(4, device="meta")
+    with pytest.raises(ValueError, match="same device"):
+        tilegym_rms.rms_norm(x, w)
+
+
+def test_backward_argument_errors():
+    x = torch.randn(3, 8)
+    _, rstd = tilegym_rms.rms_norm_forward(x, None)
+    with pytest.raises(ValueError, match="dy must have the shape of x"):
+        tilegym_rms.rms_norm_backward(x, torch.randn(3, 9), None, rstd)
+    with pytest.raises(ValueError, match="one value per row"):
+        tilegym_rms.rms_norm_backward(x, torch.randn(3, 8), None, rstd[:2])
+
+
+def test_kernel_backends_reject_float64_with_a_hint():
+    from tilegym_rms.ops import _backend
+
+    with pytest.raises(TypeError, match="backend='torch' for float64"):
+        _backend(torch.randn(2, 4, dtype=torch.float64), "cutile")
+
+
+def test_dispatch_cpu_defaults_to_torch():
+    assert dispatch.resolve_backend(torch.device("cpu")) == "torch"
+
+
+def test_dispatch_env_overrides_and_unavailable_backend_says_why(monkeypatch):
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "cutile")
+    with pytest.raises(RuntimeError, match="'cutile' cannot run on cpu: cuTile runs on CUDA devices"):
+        tilegym_rms.rms_norm(torch.randn(2, 4))
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "bogus")
+    dispatch._clear_cache()
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+        tilegym_rms.rms_norm(torch.randn(2, 4))
+
+
+def test_available_backends_reports_reasons():
+    status = tilegym_rms.available_backends("cpu")
+    assert set(status) == set(tilegym_rms.BACKENDS)
+    assert status["torch"] == (True, "")
+    ok, why = status["cutile"]
+    assert not ok and "CUDA" in why
+
+
+def test_dispatch_cuda_order(monkeypatch):
+    """On CUDA: cutile where it can run, else triton, else torch."""
+    calls = {}
+
+    def fake(name, ok):
+        def available(device):
+            calls[name] = True
+            return ok, "" if ok else f"{name} unavailable"
+
+        return available
+
+    import tilegym_rms._torch_backend as tb
+    import tilegym_rms.ascend as ascend
+    import tilegym_rms.cutile as cutile
+
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(cutile, "available", fake("cutile", True))
+    assert dispatch.resolve_backend(cuda0) == "cutile"
+    dispatch._clear_cache()
+    monkeypatch.setattr(cutile, "available", fake("cutile", False))
+    monkeypatch.setattr(ascend, "available", fake("triton", True))
+    assert dispatch.resolve_backend(cuda0) == "triton"
+    dispatch._clear_cache()
+    monkeypatch.setattr(ascend, "available", fake("triton", False))
+    monkeypatch.setattr(tb, "available", fake("torch", True))
+    assert dispatch.resolve_backend(cuda0) == "torch"
+
+
+def test_cutile_compute_capability_gate():
+    from tilegym_rms.cutile import cc_supported
+
+    assert all(cc_supported(cc) for cc in [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1)])
+    assert not any(cc_supported(cc) for cc in [(7, 5), (9, 1), (11, 0)])
+
+
+def test_experimental_warning_fires_once_per_kernel(monkeypatch):
+    monkeypatch.delenv(experimental.SILENCE_ENV, raising=False)
+    experimental._reset_warnings()
+    k1 = experimental.experimental_kernel(lambda: None)
+    k2 = experimental.experimental_kernel(on=("npu",))(lambda: None)
+    plain = lambda: None  # noqa: E731
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            experimental.notify_launch(k1, "cuda")
+            experimental.notify_launch(k2, "cuda")  # experimental only on npu
+            experimental.notify_launch(plain, "cuda")
+        experimental.notify_launch(k2, "npu")
+        experimental.notify_launch(k2, "npu")
+    msgs = [str(w.message) for w in seen if issubclass(w.category, tilegym_rms.ExperimentalKernelWarning)]
+    assert len(msgs) == 2 and "on cuda" in msgs[0] and "on npu" in msgs[1]
+    assert issubclass(tilegym_rms.ExperimentalKernelWarning, UserWarning)
+
+
+def test_experimental_warning_silenced_by_env(monkeypatch):
+    monkeypatch.setenv(experimental.SILENCE_ENV, "1")
+    experimental._reset_warnings()
+    k = experimental.experimental_kernel(lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        experimental.notify_launch(k, "cuda")
+
+
+def test_cutile_backward_kernels_are_marked_experimental():
+    from tilegym_rms.cutile import kernels
+
+    for k in (kernels.rms_norm_bwd_persistent, kernels.rms_norm_bwd_row_dot, kernels.rms_norm_bwd_column_chunk,
+              kernels.rms_norm_dw_reduce):
+        assert experimental.is_experimental(k, "cuda")

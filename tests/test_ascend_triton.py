@@ -1,0 +1,460 @@
+"""The Ascend (triton-ascend) RMSNorm kernels under the Triton interpreter, on CPU tensors.
+
+``TRITON_INTERPRET=1`` is set before anything imports the kernels module (Triton decides between
+compiling and interpreting when a kernel is decorated). Results are compared against
+:mod:`tilegym_rms.reference` in float64. Shapes are kept small: the interpreter is slow.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import ast  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+pytest.importorskip("numpy", reason="the Triton interpreter needs numpy")
+
+from tilegym_rms import experimental  # noqa: E402
+from tilegym_rms import reference as ref  # noqa: E402
+from tilegym_rms.ascend import config  # noqa: E402
+
+if not config.interpreter_enabled():
+    pytest.skip("TRITON_INTERPRET is set to something other than 1", allow_module_level=True)
+
+import tilegym_rms.ascend as ascend  # noqa: E402
+from tilegym_rms.ascend import kernels  # noqa: E402
+from tilegym_rms.ascend import launch as launch_mod  # noqa: E402
+
+if type(kernels.rms_norm_fwd_kernel).__name__ != "InterpretedFunction":
+    pytest.skip("the kernels were compiled before TRITON_INTERPRET was set", allow_module_level=True)
+
+EPS = 1e-6
+TOL_FP32 = 1e-5
+# Budgets that force the column-partitioned path (see config.max_tile_elems):
+UB_TINY = 2048  # forward chunks of 64 columns, fused-add and backward chunks of 32
+UB_SMALL = 8192  # forward chunks of 256 columns, fused-add and backward chunks of 128
+
+# (M, N, TILEGYM_RMS_UB_BYTES or None, expected forward path)
+SHAPES = [
+    pytest.param(1, 1, None, "block", id="1x1"),
+    pytest.param(7, 123, None, "block", id="7x123-ragged"),
+    pytest.param(16, 64, None, "block", id="16x64-aligned"),
+    pytest.param(5, 1000, None, "block", id="5x1000"),
+    pytest.param(7, 123, UB_TINY, "partitioned", id="7x123-partitioned"),
+    pytest.param(6, 128, UB_TINY, "partitioned", id="6x128-partitioned-aligned"),
+    pytest.param(3, 1000, UB_SMALL, "partitioned", id="3x1000-partitioned"),
+    pytest.param(4100, 8, None, "block_row", id="4100x8-block_row-ragged"),
+    pytest.param(4096, 16, None, "block_row", id="4096x16-block_row-aligned"),
+]
+
+
+def rel_err(out, expected) -> float:
+    out, expected = out.double(), expected.double()
+    assert out.shape == expected.shape
+    assert torch.isfinite(out).all()
+    denom = expected.norm().item()
+    return (out - expected).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def strided(M, N, dtype=torch.float32, pad=3, seed=0):
+    """An (M, N) view with row stride N + pad, to exercise the stride arguments."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(M, N + pad, generator=g).to(dtype)[:, :N]
+
+
+def rand(*shape, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def weight_for(N, kind, dtype=torch.float32):
+    """``kind``: "w" (weight, offset 0), "w+1" (Gemma-style weight around 0, offset 1), "none"."""
+    if kind == "none":
+        return None, 0.0
+    w = rand(N, dtype=dtype, seed=7)
+    return (w, 1.0) if kind == "w+1" else (w.abs() + 0.5, 0.0)
+
+
+@pytest.fixture
+def ub(monkeypatch):
+    def set_ub(value):
+        if value is None:
+            monkeypatch.delenv(config.UB_BYTES_ENV, raising=False)
+        else:
+            monkeypatch.setenv(config.UB_BYTES_ENV, str(value))
+
+    set_ub(None)
+    return set_ub
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records (kernel, args, constexprs) of every launch, still launching for real."""
+    calls = []
+    real = launch_mod.launch
+
+    def spy(kernel, grid, *args, **constexprs):
+        calls.append((kernel, grid, args, constexprs))
+        return real(kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(launch_mod, "launch", spy)
+    return calls
+
+
+# ------------------------------------------------------------------------------------------------
+# Dispatch (pure functions)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("M", "N", "op", "ub_bytes", "expected"),
+    [
+        (1, 1, "forward", None, "block"),
+        (7, 123, "forward", None, "block"),
+        (100, 4096, "forward", None, "block"),
+        (100, 4097, "forward", None, "partitioned"),
+        (100, 5120, "forward", None, "partitioned"),
+        (100, 4096, "fused_add", None, "block"),
+        (100, 8192, "fused_add", None, "partitioned"),
+        (100, 2048, "backward", None, "block"),
+        (100, 4096, "backward", None, "partitioned"),
+        (config.BLOCK_ROW_MIN_M, config.BLOCK_ROW_MAX_N, "forward", None, "block_row"),
+        (config.BLOCK_ROW_MIN_M, config.BLOCK_ROW_MAX_N, "backward", None, "block_row"),
+        (config.BLOCK_ROW_MIN_M - 1, config.BLOCK_ROW_MAX_N, "forward", None, "block"),
+        (config.BLOCK_ROW_MIN_M, config.BLOCK_ROW_MAX_N + 1, "forward", None, "block"),
+        (65536, 1, "backward", None, "block_row"),
+        (7, 123, "forward", UB_TINY, "partitioned"),
+        (7, 64, "forward", UB_TINY, "block"),
+        (8192, 123, "backward", UB_TINY, "partitioned"),
+        (3, 1000, "backward", UB_SMALL, "partitioned"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_choose_path(ub, M, N, op, ub_bytes, expected, dtype):
+    ub(ub_bytes)
+    assert config.choose_path(M, N, dtype, op) == expected
+    p = config.plan(M, N, dtype, op)
+    assert p.path == expected
+    budget = config.max_tile_elems(op)
+    for size in (p.block_m, p.block_n):
+        assert size & (size - 1) == 0, "tl.arange sizes must be powers of two"
+    assert p.block_m * p.block_n <= budget, "the tile must fit the Unified Buffer budget"
+    assert p.num_tasks == -(-M // p.block_m)
+    assert p.even_m == (M % p.block_m == 0) and p.even_n == (N % p.block_n == 0)
+    if expected == "partitioned":
+        assert p.block_m == 1 and p.block_n < N, "a row that does not fit is split into column chunks"
+    else:
+        assert p.block_n >= N
+    if expected == "block":
+        assert p.block_m <= min(config.BLOCK_M_CAP, config.next_power_of_2(M))
+    if expected == "block_row":
+        assert 1 < p.block_m <= config.BLOCK_ROW_CAP
+
+
+def test_ub_budget_default_and_override(ub):
+    assert config.ub_bytes() == 192 * 1024
+    # 192 KB, safety margin, double buffering, 3 fp32 tiles per element -> 4096-element tiles.
+    assert config.max_tile_elems("forward") == 4096
+    assert config.max_tile_elems("backward") == 2048
+    ub(UB_TINY)
+    assert config.max_tile_elems("forward") == 64
+    ub(1)
+    assert config.max_tile_elems("backward") == config.MIN_TILE_ELEMS
+    ub("lots")
+    with pytest.raises(ValueError, match=config.UB_BYTES_ENV):
+        config.ub_bytes()
+
+
+def test_grid_size_never_zero_and_trimmed():
+    cpu = torch.device("cpu")
+    assert config.num_programs(cpu) == config.INTERPRETER_NUM_PROGRAMS
+    assert config.grid_size(0, cpu) == 1
+    assert config.grid_size(2, cpu) == 2
+    assert config.grid_size(1000, cpu) == config.INTERPRETER_NUM_PROGRAMS
+
+
+@pytest.mark.parametrize(("M", "N", "ub_bytes"), [(7, 123, None), (7, 123, UB_TINY), (4100, 8, None), (4097, 16, None)])
+def test_launch_uses_choose_path(ub, launches, M, N, ub_bytes):
+    """The launch code takes the path choose_path names, for every op; grid and dw buffer agree."""
+    ub(ub_bytes)
+    x, w = strided(M, N), rand(N)
+    y, rstd = ascend.forward(x, w, EPS, 0.0, "llama")
+    ascend.fused_add_forward(x, rand(M, N), w, EPS, "pre", 0.0, "llama")
+    ascend.backward(rand(M, N), x, w, rstd, 0.0, "llama")
+    (fwd, fused, bwd, reduce) = launches
+    for (kernel, grid, args, flags), op in zip((fwd, fused, bwd), ("forward", "fused_add", "backward"), strict=True):
+        path = config.choose_path(M, N, x.dtype, op)
+        p = config.plan(M, N, x.dtype, op)
+        if path == "partitioned":
+            assert kernel in (kernels.rms_norm_fwd_partitioned_kernel, kernels.rms_norm_bwd_partitioned_kernel)
+        else:
+            assert kernel in (kernels.rms_norm_fwd_kernel, kernels.rms_norm_bwd_kernel)
+            assert flags["BLOCK_ROW_SCHEDULE"] == (path == "block_row")
+        assert (flags["BLOCK_M"], flags["BLOCK_N"]) == (p.block_m, p.block_n)
+        assert (flags["EVEN_M"], flags["EVEN_N"]) == (p.even_m, p.even_n)
+        assert 1 <= grid[0] <= min(config.INTERPRETER_NUM_PROGRAMS, p.num_tasks)
+    partial = bwd[2][5]
+    assert partial.shape == (bwd[1][0], N) and partial.dtype == torch.float32, "grid x N fp32 dw partials"
+    assert reduce[0] is kernels.rms_norm_dw_reduce_kernel and reduce[2][0] is partial
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("M", "N", "ub_bytes", "path"), SHAPES)
+@pytest.mark.parametrize("casting_mode", ref.CASTING_MODES)
+def test_forward_fp32(ub, M, N, ub_bytes, path, casting_mode):
+    ub(ub_bytes)
+    assert config.choose_path(M, N, torch.float32, "forward") == path
+    x = strided(M, N)
+    # Cycle the weight kinds over the casting modes to cover offset 1 and weight None cheaply.
+    kind = {"llama": "w", "gemma": "w+1", "none": "none"}[casting_mode]
+    w, offset = weight_for(N, kind)
+    y, rstd = ascend.forward(x, w, EPS, offset, casting_mode)
+    y_ref, rstd_ref = ref.rms_norm_forward(x.double(), None if w is None else w.double(), EPS, offset, casting_mode)
+    assert y.shape == (M, N) and y.is_contiguous() and y.dtype == x.dtype
+    assert rstd.shape == (M,) and rstd.dtype == torch.float32
+    assert rel_err(y, y_ref) <= TOL_FP32
+    assert rel_err(rstd, rstd_ref) <= TOL_FP32
+
+
+@pytest.mark.parametrize(("M", "N", "ub_bytes", "path"), [SHAPES[1], SHAPES[4], SHAPES[7]])
+@pytest.mark.parametrize("kind", ["w", "w+1", "none"])
+def test_forward_weight_kinds_llama(ub, M, N, ub_bytes, path, kind):
+    ub(ub_bytes)
+    x = strided(M, N)
+    w, offset = weight_for(N, kind)
+    y, _ = ascend.forward(x, w, EPS, offset, "llama")
+    y_ref, _ = ref.rms_norm_forward(x.double(), None if w is None else w.double(), EPS, offset, "llama")
+    assert rel_err(y, y_ref) <= TOL_FP32
+
+
+@pytest.mark.parametrize(("M", "N", "ub_bytes"), [(7, 123, None), (7, 123, UB_TINY), (4100, 8, None)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("casting_mode", ref.CASTING_MODES)
+def test_forward_low_precision_matches_casting_mode(ub, M, N, ub_bytes, dtype, casting_mode):
+    """Against the reference in the same dtype, the roundings of each casting mode must line up:
+    only the fp32 summation order differs, so nearly every element is bit-identical."""
+    ub(ub_bytes)
+    x = strided(M, N, dtype)
+    w, offset = rand(N, dtype=torch.float32, seed=3), 1.0  # weight dtype may differ from x
+    y, rstd = ascend.forward(x, w, EPS, offset, casting_mode)
+    y_ref, rstd_ref = ref.rms_norm_forward(x, w, EPS, offset, casting_mode)
+    assert y.dtype == dtype
+    mismatch = (y != y_ref).double().mean().item()
+    assert mismatch <= 0.01, f"{mismatch:.2%} of elements differ from the {dtype} reference"
+    assert rel_err(y, y_ref) <= 4e-3
+    assert rel_err(rstd, rstd_ref) <= 1e-5 if casting_mode != "none" else 1e-2
+    y64, _ = ref.rms_norm_forward(x.double(), w.double(), EPS, offset, casting_mode)
+    assert rel_err(y, y64) <= 1e-2
+
+
+def test_forward_store_rstd_false(ub):
+    x, w = strided(7, 123), rand(123)
+    y, rstd = ascend.forward(x, w, EPS, 0.0, "llama", store_rstd=False)
+    assert rstd is None
+    assert torch.equal(y, ascend.forward(x, w, EPS, 0.0, "llama")[0])
+    ub(UB_TINY)
+    y, rstd = ascend.forward(x, w, EPS, 0.0, "gemma", store_rstd=False)
+    assert rstd is None
+    assert rel_err(y, ref.rms_norm_forward(x.double(), w.double(), EPS, 0.0, "gemma")[0]) <= TOL_FP32
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("M", "N", "ub_bytes", "path"), SHAPES)
+@pytest.mark.parametrize("kind", ["w", "w+1", "none"])
+def test_backward_fp32(ub, M, N, ub_bytes, path, kind):
+    ub(ub_bytes)
+    x = strided(M, N)
+    dy = strided(M, N, pad=5, seed=2)  # dy has its own row stride
+    w, offset = weight_for(N, kind)
+    w64 = None if w is None else w.double()
+    _, rstd = ref.rms_norm_forward(x, w, EPS, offset, "llama")
+    dx, dw = ascend.backward(dy, x, w, rstd, offset, "llama")
+    dx_ref, dw_ref = ref.rms_norm_backward(dy.double(), x.double(), w64, rstd.double(), offset)
+    assert dx.shape == (M, N) and dx.is_contiguous() and dx.dtype == x.dtype
+    assert rel_err(dx, dx_ref) <= TOL_FP32
+    if w is None:
+        assert dw is None
+    else:
+        assert dw.shape == (N,) and dw.dtype == w.dtype
+        assert rel_err(dw, dw_ref) <= TOL_FP32
+
+
+@pytest.mark.parametrize("ub_bytes", [None, UB_TINY])
+def test_backward_deterministic_and_casting_independent(ub, ub_bytes):
+    ub(ub_bytes)
+    M, N = 37, 123
+    x, dy, w = strided(M, N), rand(M, N), rand(N)
+    rstd = ascend.forward(x, w, EPS, 0.0, "llama")[1]
+    dx0, dw0 = ascend.backward(dy, x, w, rstd, 0.0, "llama")
+    for mode in ref.CASTING_MODES:
+        dx, dw = ascend.backward(dy, x, w, rstd, 0.0, mode)
+        assert torch.equal(dx, dx0) and torch.equal(dw, dw0), "bitwise identical on every run"
+
+
+@pytest.mark.parametrize("ub_bytes", [None, UB_TINY])
+def test_backward_low_precision(ub, ub_bytes):
+    ub(ub_bytes)
+    M, N = 9, 123
+    x, dy = strided(M, N, torch.bfloat16), rand(M, N, dtype=torch.bfloat16)
+    w = rand(N, dtype=torch.float16, seed=4)
+    rstd = ascend.forward(x, w, EPS, 0.0, "llama")[1]
+    dx, dw = ascend.backward(dy, x, w, rstd, 0.0, "llama")
+    dx_ref, dw_ref = ref.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double(), 0.0)
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float16
+    assert rel_err(dx, dx_ref) <= 1e-2
+    assert rel_err(dw, dw_ref) <= 1e-2
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused residual add
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("M", "N", "ub_bytes", "path"), SHAPES)
+@pytest.mark.parametrize("mode", ref.FUSED_ADD_MODES)
+def test_fused_add_fp32(ub, M, N, ub_bytes, path, mode):
+    ub(ub_bytes)
+    casting_mode = "gemma" if mode == "pre" else "llama"
+    x, r = strided(M, N), strided(M, N, pad=1, seed=5)
+    w, offset = weight_for(N, "w+1" if mode == "pre" else "w")
+    y, res_out, rstd = ascend.fused_add_forward(x, r, w, EPS, mode, offset, casting_mode)
+    y_ref, res_ref, rstd_ref = ref.fused_add_rms_norm_forward(
+        x.double(), r.double(), w.double(), EPS, mode, offset, casting_mode
+    )
+    assert rel_err(y, y_ref) <= TOL_FP32
+    assert rel_err(res_out, res_ref) <= TOL_FP32
+    assert rel_err(rstd, rstd_ref) <= TOL_FP32
+    if mode == "pre":
+        assert torch.equal(res_out, x + r), "the sum is rounded to x's dtype exactly like torch's add"
+    else:
+        assert res_out is y, "post mode: residual_out is y and the sum is never written"
+
+
+@pytest.mark.parametrize("ub_bytes", [None, UB_TINY])
+@pytest.mark.parametrize("mode", ref.FUSED_ADD_MODES)
+def test_fused_add_fp16_no_weight_no_rstd(ub, ub_bytes, mode):
+    ub(ub_bytes)
+    M, N = 7, 123
+    x, r = strided(M, N, torch.float16), rand(M, N, dtype=torch.float16)
+    y, res_out, rstd = ascend.fused_add_forward(x, r, None, EPS, mode, 0.0, "none", store_rstd=False)
+    y_ref, res_ref, _ = ref.fused_add_rms_norm_forward(x, r, None, EPS, mode, 0.0, "none")
+    assert rstd is None
+    assert (y != y_ref).double().mean().item() <= 0.01
+    assert rel_err(y, y_ref) <= 4e-3
+    if mode == "pre":
+        assert torch.equal(res_out, res_ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# Edge cases, launch helper, experimental marking, lazy imports
+# ------------------------------------------------------------------------------------------------
+
+
+def test_empty_rows_launch_nothing(launches):
+    x, w = torch.empty(0, 16), rand(16)
+    y, rstd = ascend.forward(x, w, EPS, 0.0, "llama")
+    assert y.shape == (0, 16) and rstd.shape == (0,)
+    y, res_out, rstd = ascend.fused_add_forward(x, x, w, EPS, "pre", 0.0, "llama", store_rstd=False)
+    assert y.shape == res_out.shape == (0, 16) and rstd is None
+    dx, dw = ascend.backward(x, x, w, torch.empty(0), 0.0, "llama")
+    assert dx.shape == (0, 16) and torch.equal(dw, torch.zeros(16))
+    assert ascend.backward(x, x, None, torch.empty(0), 0.0, "llama")[1] is None
+    assert launches == []
+
+
+def test_kernels_marked_experimental_on_npu_only():
+    for kernel in kernels.ALL_KERNELS:
+        assert experimental.is_experimental(kernel, "npu")
+        assert not experimental.is_experimental(kernel, "cpu")
+        assert not experimental.is_experimental(kernel, "cuda")
+    assert ascend.choose_path is config.choose_path
+
+
+def test_no_experimental_warning_on_cpu(monkeypatch):
+    monkeypatch.delenv(experimental.SILENCE_ENV, raising=False)
+    experimental._reset_warnings()
+    notified = []
+    real = experimental.notify_launch
+    monkeypatch.setattr(launch_mod, "notify_launch", lambda k, d: (notified.append((k, d)), real(k, d)))
+    x, w = strided(5, 32), rand(32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", experimental.ExperimentalKernelWarning)
+        _, rstd = ascend.forward(x, w, EPS, 0.0, "llama")
+        ascend.backward(rand(5, 32), x, w, rstd, 0.0, "llama")
+    assert [k for k, _ in notified] == [
+        kernels.rms_norm_fwd_kernel,
+        kernels.rms_norm_bwd_kernel,
+        kernels.rms_norm_dw_reduce_kernel,
+    ]
+    assert {d for _, d in notified} == {"cpu"}
+
+
+def test_launch_helper_warns_for_npu_launches(monkeypatch):
+    """What an Ascend user sees: the launch helper passes the tensors' device type to the registry."""
+    monkeypatch.delenv(experimental.SILENCE_ENV, raising=False)
+    experimental._reset_warnings()
+    monkeypatch.setattr(launch_mod, "_device_type", lambda args: "npu")
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    fake = experimental.experimental_kernel(on=("npu",))(FakeKernel())
+    with pytest.warns(experimental.ExperimentalKernelWarning, match="on npu"):
+        launch_mod.launch(fake, (1,))
+
+
+def test_available():
+    assert ascend.available(torch.device("cpu")) == (True, "")
+
+
+def test_available_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ok, why = ascend.available(torch.device("cpu"))
+    assert not ok and "TRITON_INTERPRET=1" in why
+
+
+def test_import_without_triton():
+    """Importing the package must not need triton; available() says what is missing."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, tilegym_rms.ascend as a\n"
+        "print(a.available(torch.device('cpu')))\n"
+        "print(a.choose_path(8, 64, torch.float32))\n"
+        "assert 'tilegym_rms.ascend.kernels' not in sys.modules\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, check=True)
+    assert out.stdout.splitlines() == ["(False, 'triton is not installed')", "block"]
+
+
+def test_kernel_source_avoids_what_triton_ascend_rejects():
+    """No launch/load hints triton-ascend ignores or rejects, no atomics, no fp64, no unsigned types."""
+    tree = ast.parse(Path(kernels.__file__).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+    banned = {"num_warps", "num_stages", "cache_modifier", "eviction_policy", "float64", "fp64"}
+    assert not names & banned
+    assert not [n for n in names if n.startswith(("atomic", "uint"))]

@@ -1,0 +1,54 @@
+"""The cuTile launch heuristics (pure functions: no GPU needed)."""
+
+import pytest
+import torch
+
+from tilegym_rms.cutile import config
+
+SMS = 132
+
+
+@pytest.mark.parametrize("n", [1, 64, 123, 512, 1000, 2001, 4096, 5120, 7168, 8192, 16384, 65536])
+@pytest.mark.parametrize("m", [1, 7, 128, 4097, 65536])
+def test_forward_config_invariants(m, n):
+    cfg = config.forward_config(m, n, torch.bfloat16, SMS)
+    assert cfg.tile_n & (cfg.tile_n - 1) == 0 and cfg.tile_m & (cfg.tile_m - 1) == 0
+    if cfg.mode == "persistent":
+        assert cfg.tile_n >= n and 1 <= cfg.grid <= SMS * config.BLOCKS_PER_SM
+        assert cfg.grid <= config.cdiv(m, cfg.tile_m)
+    else:
+        assert cfg.grid == m and cfg.single_tile == (cfg.tile_n >= n)
+
+
+def test_forward_dispatch_thresholds():
+    small_m = config.GATHER_MAX_ROWS_PER_SM * SMS
+    assert config.forward_config(small_m, 4096, torch.bfloat16, SMS).mode == "gather"
+    assert config.forward_config(small_m + 1, 4096, torch.bfloat16, SMS).mode == "persistent"
+    wide = 2 * config.MAX_SINGLE_TILE_N
+    cfg = config.forward_config(65536, wide, torch.bfloat16, SMS)
+    assert cfg.mode == "gather" and not cfg.single_tile and cfg.tile_n == config.CHUNK_N
+    with pytest.raises(ValueError, match="mode='gather'"):
+        config.forward_config(65536, wide, torch.bfloat16, SMS, mode="persistent")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        config.forward_config(8, 8, torch.bfloat16, SMS, mode="fast")
+
+
+@pytest.mark.parametrize("n", [1, 123, 4096, 8192, 8193, 65536])
+@pytest.mark.parametrize("m", [1, 7, 4097, 65536])
+def test_backward_config_invariants(m, n):
+    cfg = config.backward_config(m, n, torch.bfloat16, SMS)
+    assert 1 <= cfg.grid <= max(m, 1)
+    if cfg.mode == "fused":
+        assert cfg.tile_n >= n and cfg.num_chunks == 1
+    else:
+        assert cfg.num_chunks * cfg.tile_n >= n and next_pow2_gt(n)
+
+
+def next_pow2_gt(n):
+    return config.next_pow2(n) > config.MAX_SINGLE_TILE_N
+
+
+def test_tiles_do_not_depend_on_m_within_a_bucket():
+    a = config.forward_config(5000, 4096, torch.bfloat16, SMS)
+    b = config.forward_config(config.m_bucket(5000), 4096, torch.bfloat16, SMS)
+    assert (a.mode, a.tile_m, a.tile_n) == (b.mode, b.tile_m, b.tile_n)

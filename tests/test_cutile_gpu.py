@@ -1,0 +1,212 @@
+"""cuTile kernels on a CUDA GPU against float64 (marker `gpu`; skipped without CUDA).
+
+The grid is shaped so that its kernel variants compile in a few minutes on a fresh machine: the
+full (M, N, dtype) grid runs with the default options, and each other axis (casting mode, weight /
+offset, forward mode, strides) runs over a smaller set of shapes.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import tilegym_rms
+from tilegym_rms import reference
+
+pytestmark = pytest.mark.gpu
+
+M_GRID = [1, 7, 128, 4097, 65536]
+N_GRID = [1, 64, 123, 512, 1000, 2001, 4096, 5120, 7168, 16384, 65536]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+Y_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+DW_TOL = 1e-2
+ROWS_PER_REF_CHUNK_ELEMS = 1 << 25  # fp64 reference computed in row chunks: bounded memory
+
+
+def _skip_if_too_big(m, n, dtype):
+    # 65536 x 65536 needs ~8 GB per tensor in bf16; run that corner in bf16 only.
+    if m * n > (1 << 30) and dtype != torch.bfloat16:
+        pytest.skip("largest corner runs in bf16 only")
+
+
+def _errors(x, w, dy, y, dx, dw, eps, offset, casting_mode, rstd=None):
+    """Relative errors of y, dx, dw (and rstd) against the float64 reference, chunk by chunk."""
+    n = x.shape[-1]
+    x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
+    y2, dx2 = y.reshape(-1, n), dx.reshape(-1, n)
+    w64 = w.double() if w is not None else None
+    sums = {k: [0.0, 0.0] for k in ("y", "dx", "rstd")}
+    dw_ref = torch.zeros(n, dtype=torch.float64, device=x.device) if w is not None else None
+    step = max(1, ROWS_PER_REF_CHUNK_ELEMS // n)
+    for s in range(0, x2.shape[0], step):
+        xr = x2[s : s + step].double()
+        y_ref, r_ref = reference.rms_norm_forward(xr, w64, eps, offset, casting_mode)
+        dx_ref, dw_part = reference.rms_norm_backward(dy2[s : s + step].double(), xr, w64, r_ref, offset)
+        pairs = {"y": (y2[s : s + step], y_ref), "dx": (dx2[s : s + step], dx_ref)}
+        if rstd is not None:
+            pairs["rstd"] = (rstd.reshape(-1)[s : s + step], r_ref)
+        for k, (out, ref) in pairs.items():
+            assert torch.isfinite(out).all(), f"non-finite {k}"
+            sums[k][0] += (out.double() - ref).square().sum().item()
+            sums[k][1] += ref.square().sum().item()
+        if dw_ref is not None:
+            dw_ref += dw_part
+    err = {k: (a / b) ** 0.5 if b > 0 else a**0.5 for k, (a, b) in sums.items()}
+    if dw_ref is not None:
+        err["dw"] = ((dw.double() - dw_ref).norm() / dw_ref.norm().clamp_min(1e-30)).item()
+    return err
+
+
+def _check(m, n, dtype, *, weight=True, offset=0.0, casting_mode="llama", mode=None, x=None, eps=1e-6):
+    torch.manual_seed(m * 131 + n)
+    dev = "cuda"
+    if x is None:
+        x = torch.randn(m, n, dtype=dtype, device=dev)
+    w = (torch.randn(n, dtype=dtype, device=dev) if weight else None)
+    dy = torch.randn(x.shape, dtype=dtype, device=dev)
+    kw = dict(offset=offset, casting_mode=casting_mode, backend="cutile")
+    y, rstd = tilegym_rms.rms_norm_forward(x, w, eps, mode=mode, **kw)
+    dx, dw = tilegym_rms.rms_norm_backward(x, dy, w, rstd, **kw)
+    err = _errors(x, w, dy, y, dx, dw, eps, offset, casting_mode, rstd)
+    tol = Y_TOL[dtype]
+    assert err["y"] <= tol, err
+    assert err["dx"] <= tol, err
+    assert err["rstd"] <= 1e-5 if casting_mode != "none" else err["rstd"] <= 1e-2, err
+    if weight:
+        assert dw.dtype == w.dtype and err["dw"] <= DW_TOL, err
+    else:
+        assert dw is None
+
+
+@pytest.fixture(autouse=True)
+def _quiet_experimental(monkeypatch):
+    monkeypatch.setenv("TILEGYM_RMS_SILENCE_EXPERIMENTAL", "1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", N_GRID)
+@pytest.mark.parametrize("m", M_GRID)
+def test_grid_forward_backward(m, n, dtype):
+    _skip_if_too_big(m, n, dtype)
+    _check(m, n, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
+@pytest.mark.parametrize("weight,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])
+@pytest.mark.parametrize("m,n", [(7, 123), (4097, 4096), (128, 16384)])
+def test_casting_weight_offset(m, n, dtype, casting_mode, weight, offset):
+    _check(m, n, dtype, weight=weight, offset=offset, casting_mode=casting_mode)
+
+
+@pytest.mark.parametrize("mode", ["gather", "persistent"])
+@pytest.mark.parametrize("m,n", [(1, 64), (4097, 1000), (7, 4096), (65536, 5120), (4097, 8192)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forced_forward_mode(m, n, dtype, mode):
+    _check(m, n, dtype, mode=mode)
+
+
+@pytest.mark.parametrize("n", [64, 1000, 4096, 16384])
+def test_noncontiguous_inputs(n):
+    big = torch.randn(300, n + 24, dtype=torch.bfloat16, device="cuda")
+    _check(300, n, torch.bfloat16, x=big[:, 8 : 8 + n])  # strided rows, read in place
+    _check(40, n, torch.bfloat16, x=torch.randn(n, 40, dtype=torch.bfloat16, device="cuda").t())  # copied
+    _check(3 * 50, n, torch.bfloat16, x=big[:150].view(3, 50, n + 24)[..., :n])  # leading dims
+
+
+def test_empty_and_weight_dtype_mix():
+    x = torch.randn(0, 4096, dtype=torch.bfloat16, device="cuda")
+    y, rstd = tilegym_rms.rms_norm_forward(x, torch.ones(4096, device="cuda"), backend="cutile")
+    assert y.shape == x.shape and rstd.shape == (0,)
+    x = torch.randn(33, 512, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(512, dtype=torch.float32, device="cuda")
+    y = tilegym_rms.rms_norm(x, w, backend="cutile")
+    ref, _ = reference.rms_norm_forward(x.double(), w.double(), 1e-6)
+    assert y.dtype == torch.bfloat16 and (y.double() - ref).norm() / ref.norm() <= 1e-2
+
+
+def test_dw_is_deterministic():
+    x = torch.randn(65536, 4096, dtype=torch.bfloat16, device="cuda")
+    dy, w = torch.randn_like(x), torch.randn(4096, dtype=torch.bfloat16, device="cuda")
+    _, rstd = tilegym_rms.rms_norm_forward(x, w, backend="cutile")
+    runs = [tilegym_rms.rms_norm_backward(x, dy, w, rstd, backend="cutile") for _ in range(3)]
+    assert all(torch.equal(r[1], runs[0][1]) and torch.equal(r[0], runs[0][0]) for r in runs)
+
+
+def test_default_backend_on_this_gpu_is_cutile():
+    from tilegym_rms.dispatch import resolve_backend
+
+    assert resolve_backend(torch.device("cuda", 0)) == "cutile"
+    assert tilegym_rms.available_backends()["cutile"] == (True, "")
+
+
+def test_forward_mode_chosen_by_heuristic():
+    from tilegym_rms import cutile
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    small = torch.empty(sms, 4096, device="cuda", dtype=torch.bfloat16)
+    large = torch.empty(65536, 4096, device="cuda", dtype=torch.bfloat16)
+    wide = torch.empty(65536, 65536 // 4, device="cuda", dtype=torch.bfloat16)
+    assert cutile.forward_config(small).mode == "gather"
+    assert cutile.forward_config(large).mode == "persistent"
+    assert cutile.forward_config(wide).mode == "gather" and not cutile.forward_config(wide).single_tile
+
+
+def test_experimental_warning_on_first_backward(monkeypatch):
+    from tilegym_rms import experimental
+
+    monkeypatch.delenv("TILEGYM_RMS_SILENCE_EXPERIMENTAL")
+    experimental._reset_warnings()
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    w = torch.randn(256, device="cuda", requires_grad=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tilegym_rms.rms_norm(x, w, backend="cutile").sum().backward()
+        tilegym_rms.rms_norm(x, w, backend="cutile").sum().backward()
+    names = [str(s.message) for s in seen if issubclass(s.category, tilegym_rms.ExperimentalKernelWarning)]
+    assert len(names) == 2 and any("rms_norm_bwd_persistent" in s for s in names)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_autograd_rms_norm_and_module_gpu(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(4, 33, 2048, dtype=dtype, device="cuda", requires_grad=True)
+    mod = tilegym_rms.RMSNorm(2048, eps=1e-6, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        mod.weight.normal_()
+    dy = torch.randn_like(x)
+    mod(x).backward(dy)
+    xr, wr = x.detach().double().requires_grad_(), mod.weight.detach().double().requires_grad_()
+    torch.nn.functional.rms_norm(xr, (2048,), wr, 1e-6).backward(dy.double())
+    tol = Y_TOL[dtype]
+    assert (x.grad.double() - xr.grad).norm() / xr.grad.norm() <= tol
+    assert (mod.weight.grad.double() - wr.grad).norm() / wr.grad.norm() <= DW_TOL
+
+
+def test_autograd_torch_compile_fullgraph_gpu():
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), tilegym_rms.RMSNorm(1024), torch.nn.Linear(1024, 8)).cuda()
+    x = torch.randn(64, 512, device="cuda")
+    model(x).square().sum().backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    compiled(x).square().sum().backward()
+    for g, p in zip(eager, model.parameters()):
+        assert (p.grad - g).norm() / g.norm() <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["pre", "post"])
+def test_autograd_fused_add_gpu(mode):
+    torch.manual_seed(2)
+    x = torch.randn(300, 1000, device="cuda", requires_grad=True)
+    r = torch.randn(300, 1000, device="cuda", requires_grad=True)
+    w = torch.randn(1000, device="cuda", requires_grad=True)
+    y, res = tilegym_rms.fused_add_rms_norm(x, r, w, mode=mode, backend="cutile")
+    (y * 2 + res.sin()).sum().backward()
+    x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, r, w))
+    y64, res64 = tilegym_rms.fused_add_rms_norm(x64, r64, w64, mode=mode, backend="torch")
+    (y64 * 2 + res64.sin()).sum().backward()
+    for a, b in ((y, y64), (res, res64), (x.grad, x64.grad), (r.grad, r64.grad), (w.grad, w64.grad)):
+        assert (a.double() - b).norm() / b.norm() <= 1e-5
