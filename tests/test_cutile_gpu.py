@@ -88,7 +88,9 @@ def _quiet_experimental(monkeypatch):
 @pytest.mark.parametrize("m", M_GRID)
 def test_grid_forward_backward(m, n, dtype):
     _skip_if_too_big(m, n, dtype)
-    _check(m, n, dtype)
+    # At N = 1, x^2 / (x^2 + eps) is 1 - O(eps): dx is a catastrophic cancellation whose relative error
+    # measures eps, not the kernel. A large eps keeps that one case well conditioned.
+    _check(m, n, dtype, eps=1e-6 if n > 1 else 0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -20,10 +20,12 @@ from __future__ import annotations
 import torch
 
 from tilegym_rms.ascend import config
-from tilegym_rms.ascend.config import choose_path, plan
 from tilegym_rms.ascend import launch as _launch
+from tilegym_rms.ascend.config import choose_path, plan
 
 __all__ = [
+    "SUPPORTED_DTYPES",
+    "backward_workspace_bytes",
     "available",
     "backward",
     "choose_path",
@@ -32,9 +34,9 @@ __all__ = [
     "plan",
 ]
 
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CASTING_MODES = ("llama", "gemma", "none")
 _FUSED_ADD_MODES = ("pre", "post")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NPU_INSTALL_HINT = "torch_npu / triton-ascend not installed: pip install torch-npu triton-ascend"
 
 
@@ -96,8 +98,8 @@ def available(device) -> tuple[bool, str]:
 def _check(x, weight, casting_mode) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D with unit column stride, got shape {tuple(x.shape)} strides {x.stride()}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"x dtype must be one of {_DTYPES}, got {x.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x dtype must be one of {SUPPORTED_DTYPES}, got {x.dtype}")
     if casting_mode not in _CASTING_MODES:
         raise ValueError(f"casting_mode must be one of {_CASTING_MODES}, got {casting_mode!r}")
     if weight is not None and (weight.shape != (x.shape[1],) or not weight.is_contiguous()):
@@ -117,7 +119,7 @@ def _schedule(p, device) -> tuple[int, int]:
     return grid, tasks_per_program
 
 
-def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, store_residual, op):
+def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, store_residual, op, path=None):
     """Shared launch of the plain and fused forward: the fused add is the kernels' HAS_RESIDUAL case."""
     _check(x, weight, casting_mode)
     M, N = x.shape
@@ -127,7 +129,7 @@ def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, st
     if M == 0:
         return y, res_out, rstd
     k = _kernels()
-    p = plan(M, N, x.dtype, op)
+    p = plan(M, N, x.dtype, op, path)
     grid, tasks_per_program = _schedule(p, x.device)
     has_res = residual is not None
     r = residual if has_res else x  # unused pointer when HAS_RESIDUAL is off
@@ -160,9 +162,13 @@ def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, st
     return y, res_out, rstd
 
 
-def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True):
-    """RMSNorm forward. Returns ``(y, rstd)``: ``y`` contiguous in x's dtype, ``rstd`` (M,) fp32 or None."""
-    y, _, rstd = _forward_impl(x, None, weight, eps, offset, casting_mode, store_rstd, False, "forward")
+def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None):
+    """RMSNorm forward. Returns ``(y, rstd)``: ``y`` contiguous in x's dtype, ``rstd`` (M,) fp32 or None.
+
+    ``mode`` forces a kernel path (``"block"``, ``"block_row"``, ``"partitioned"``); by default
+    :func:`choose_path` picks it.
+    """
+    y, _, rstd = _forward_impl(x, None, weight, eps, offset, casting_mode, store_rstd, False, "forward", mode)
     return y, rstd
 
 
@@ -189,6 +195,14 @@ def fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, *, s
         mode == "pre",
         "fused_add",
     )
+
+
+def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device) -> int:
+    """Bytes of the fp32 dw partial buffer (grid x N x 4) that :func:`backward` allocates with a weight."""
+    if m == 0:
+        return 0
+    p = plan(m, n, dtype, "backward")
+    return _schedule(p, torch.device(device))[0] * n * 4
 
 
 def backward(dy, x, weight, rstd, offset, casting_mode):

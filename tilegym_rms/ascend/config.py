@@ -110,18 +110,23 @@ class Plan:
     even_n: bool  # N % block_n == 0: the column mask can be dropped at compile time
 
 
-def plan(M: int, N: int, dtype=None, op: str = "forward") -> Plan:
-    """The path from :func:`choose_path` plus the tile shape for it.
+def plan(M: int, N: int, dtype=None, op: str = "forward", path: str | None = None) -> Plan:
+    """The path from :func:`choose_path` (or ``path``, to force one) plus the tile shape for it.
 
     Block path: ``BLOCK_N = next_pow2(N)``; ``BLOCK_M`` fills the budget, capped by ``BLOCK_M_CAP``
     and by ``next_pow2(M)`` (no point in masked rows beyond M). Block-row: as many rows per step as
     fit, capped by ``BLOCK_ROW_CAP``. Partitioned: one row per task, the largest column chunk that
     fits.
     """
-    path = choose_path(M, N, dtype, op)
     budget = max_tile_elems(op)
+    if path is None:
+        path = choose_path(M, N, dtype, op)
+    elif path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    elif path != "partitioned" and next_power_of_2(N) > budget:
+        raise ValueError(f"path {path!r} needs a whole row in one tile; N={N} exceeds the {budget}-element budget")
     if path == "partitioned":
-        block_m, block_n = 1, budget
+        block_m, block_n = 1, min(budget, next_power_of_2(N))
     else:
         block_n = next_power_of_2(N)
         rows = prev_power_of_2(budget // block_n)

@@ -145,7 +145,7 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
     dw_partial = torch.empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32, device=x.device)
     if cfg.mode == "fused":
-        args = (dy, x, w, rstd, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
+        args = (dy, x, w, rstd, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
         launch(rms_norm_bwd_persistent, (cfg.grid,), args, x.device)
     else:
         row_dot = torch.empty((m,), dtype=torch.float32, device=x.device)

@@ -63,9 +63,9 @@ class BackwardConfig:
     num_chunks: int  # column chunks (1 when fused); the chunked grid is (grid, num_chunks)
 
 
-def _tile_m(tile_n: int, target_elems: int, m: int) -> int:
-    tile_m = max(1, min(MAX_TILE_M, target_elems // tile_n))
-    return min(tile_m, next_pow2(max(m, 1)))
+def _tile_m(tile_n: int, target_elems: int) -> int:
+    # Independent of M on purpose: every M then shares one compiled variant per (N, dtype).
+    return max(1, min(MAX_TILE_M, target_elems // tile_n))
 
 
 def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str | None = None) -> ForwardConfig:
@@ -84,7 +84,7 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
         tile_n = next_pow2(n) if fits else CHUNK_N
         return ForwardConfig("gather", 1, tile_n, fits, m)
     tile_n = next_pow2(n)
-    tile_m = _tile_m(tile_n, FWD_TILE_ELEMS, m)
+    tile_m = _tile_m(tile_n, FWD_TILE_ELEMS)
     return ForwardConfig("persistent", tile_m, tile_n, True, min(num_sms * BLOCKS_PER_SM, cdiv(m, tile_m)))
 
 
@@ -93,7 +93,7 @@ def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> Backwar
     del dtype
     if next_pow2(n) <= MAX_SINGLE_TILE_N:
         tile_n = next_pow2(n)
-        tile_m = _tile_m(tile_n, BWD_TILE_ELEMS, m)
+        tile_m = _tile_m(tile_n, BWD_TILE_ELEMS)
         return BackwardConfig("fused", tile_m, tile_n, min(num_sms * BLOCKS_PER_SM, cdiv(m, tile_m)), 1)
     num_chunks = cdiv(n, CHUNK_N)
     # Enough row workers that (workers x chunks) fills the GPU, never more than there are rows.

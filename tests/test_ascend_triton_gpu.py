@@ -1,0 +1,152 @@
+"""The Ascend (triton-ascend) RMSNorm kernels compiled by standard Triton on an NVIDIA GPU.
+
+Run alone, without ``TRITON_INTERPRET``: ``pytest -m gpu tests/test_ascend_triton_gpu.py``. The
+module skips when ``TRITON_INTERPRET`` is set (the interpreter tests in test_ascend_triton.py set it
+for the whole process) or when CUDA is missing. Everything is compared against
+:mod:`tilegym_rms.reference` in float64.
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0"):
+    pytest.skip("TRITON_INTERPRET is set: these tests need compiled Triton", allow_module_level=True)
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
+
+import tilegym_rms.ascend as ascend  # noqa: E402
+from tilegym_rms import reference as ref  # noqa: E402
+from tilegym_rms.ascend import config, kernels  # noqa: E402
+
+if type(kernels.rms_norm_fwd_kernel).__name__ == "InterpretedFunction":
+    pytest.skip("the kernels were created under the interpreter in this process", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+EPS = 1e-6
+DEVICE = torch.device("cuda")
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+TOL_DW = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+MS = (1, 7, 128, 4097, 65536)
+NS = (1, 64, 123, 512, 1000, 2001, 4096, 5120, 7168, 16384, 65536)
+MAX_ELEMS = 1 << 28  # trims the biggest combinations (e.g. 65536 x 65536) to keep the run modest
+
+SHAPES = [(M, N) for M in MS for N in NS if M * N <= MAX_ELEMS]
+
+
+def rel_err(out, expected, scale=None) -> float:
+    out, expected = out.double(), expected.double()
+    assert out.shape == expected.shape
+    assert torch.isfinite(out).all()
+    denom = expected.norm().item() if scale is None else scale
+    return (out - expected).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def strided(M, N, dtype, seed, pad=8):
+    """An (M, N) view with row stride N + pad: the kernels take any row stride."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(M, N + pad, generator=g, device=DEVICE).to(dtype)[:, :N]
+
+
+def test_available():
+    assert ascend.available(DEVICE) == (True, "")
+
+
+@pytest.mark.parametrize(("M", "N"), SHAPES, ids=[f"{m}x{n}" for m, n in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_forward_backward(M, N, dtype):
+    x = strided(M, N, dtype, seed=0)
+    dy = strided(M, N, dtype, seed=1, pad=3)
+    w = (torch.rand(N, device=DEVICE) + 0.5).to(dtype)
+    y, rstd = ascend.forward(x, w, EPS, 0.0, "llama")
+    y_ref, rstd_ref = ref.rms_norm_forward(x.double(), w.double(), EPS, 0.0, "llama")
+    assert y.dtype == dtype and y.is_contiguous()
+    assert rel_err(y, y_ref) <= TOL[dtype]
+    assert rel_err(rstd, rstd_ref) <= 1e-5
+
+    dx, dw = ascend.backward(dy, x, w, rstd, 0.0, "llama")
+    dx_ref, dw_ref = ref.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double(), 0.0)
+    # dx cancels to ~0 when N == 1: measure it against the scale of rstd * w * dy.
+    scale = max(dx_ref.norm().item(), (rstd.double()[:, None] * dy.double() * w.double()).norm().item())
+    assert rel_err(dx, dx_ref, scale) <= TOL[dtype]
+    assert dw.dtype == dtype
+    assert rel_err(dw, dw_ref) <= TOL_DW[dtype]
+
+
+FEW = [(7, 123), (4097, 64), (128, 5120), (7, 65536), (65536, 512)]
+
+
+@pytest.mark.parametrize(("M", "N"), FEW, ids=[f"{m}x{n}" for m, n in FEW])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("casting_mode", ref.CASTING_MODES)
+@pytest.mark.parametrize("kind", ["w+1", "none"])
+def test_casting_modes_offset_and_no_weight(M, N, dtype, casting_mode, kind):
+    x = strided(M, N, dtype, seed=2)
+    w, offset = (None, 0.0) if kind == "none" else ((0.1 * torch.randn(N, device=DEVICE)).to(dtype), 1.0)
+    w64 = None if w is None else w.double()
+    y, rstd = ascend.forward(x, w, EPS, offset, casting_mode, store_rstd=casting_mode != "gemma")
+    y_ref, _ = ref.rms_norm_forward(x.double(), w64, EPS, offset, casting_mode)
+    assert rel_err(y, y_ref) <= TOL[dtype]
+    assert (rstd is None) == (casting_mode == "gemma")
+    if rstd is None:
+        return
+    dy = strided(M, N, dtype, seed=3)
+    dx, dw = ascend.backward(dy, x, w, rstd, offset, casting_mode)
+    dx_ref, dw_ref = ref.rms_norm_backward(dy.double(), x.double(), w64, rstd.double(), offset)
+    assert rel_err(dx, dx_ref) <= TOL[dtype]
+    assert (dw is None) == (w is None)
+    if dw is not None:
+        assert rel_err(dw, dw_ref) <= TOL_DW[dtype]
+
+
+@pytest.mark.parametrize(("M", "N"), FEW, ids=[f"{m}x{n}" for m, n in FEW])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("mode", ref.FUSED_ADD_MODES)
+def test_fused_add(M, N, dtype, mode):
+    x, r = strided(M, N, dtype, seed=4), strided(M, N, dtype, seed=5, pad=1)
+    w = (torch.rand(N, device=DEVICE) + 0.5).to(dtype)
+    y, res_out, rstd = ascend.fused_add_forward(x, r, w, EPS, mode, 0.0, "llama")
+    y_ref, res_ref, rstd_ref = ref.fused_add_rms_norm_forward(x.double(), r.double(), w.double(), EPS, mode)
+    assert rel_err(y, y_ref) <= TOL[dtype]
+    assert rel_err(res_out, res_ref) <= TOL[dtype]
+    assert rel_err(rstd, rstd_ref) <= 1e-2
+    if mode == "pre":
+        assert torch.equal(res_out, x + r)
+    else:
+        assert res_out is y
+
+
+@pytest.mark.parametrize(("M", "N"), [(4097, 5120), (4097, 64), (300, 1000)])
+def test_backward_deterministic(M, N):
+    """Two runs give bitwise-identical dx and dw (no atomics; fixed reduction order)."""
+    x, dy = strided(M, N, torch.float32, seed=6), strided(M, N, torch.float32, seed=7)
+    w = torch.randn(N, device=DEVICE)
+    rstd = ascend.forward(x, w, EPS, 0.0, "llama")[1]
+    first = ascend.backward(dy, x, w, rstd, 0.0, "llama")
+    for _ in range(3):
+        again = ascend.backward(dy, x, w, rstd, 0.0, "llama")
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_forced_partitioned_path(monkeypatch):
+    """A small Unified Buffer budget forces column chunks even for small rows on the GPU too."""
+    monkeypatch.setenv(config.UB_BYTES_ENV, "2048")
+    M, N = 513, 1000
+    assert config.choose_path(M, N, torch.float32, "backward") == "partitioned"
+    x, dy = strided(M, N, torch.float32, seed=8), strided(M, N, torch.float32, seed=9)
+    w = torch.randn(N, device=DEVICE)
+    y, rstd = ascend.forward(x, w, EPS, 0.0, "llama")
+    assert rel_err(y, ref.rms_norm_forward(x.double(), w.double(), EPS)[0]) <= TOL[torch.float32]
+    dx, dw = ascend.backward(dy, x, w, rstd, 0.0, "llama")
+    dx_ref, dw_ref = ref.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double(), 0.0)
+    assert rel_err(dx, dx_ref) <= TOL[torch.float32]
+    assert rel_err(dw, dw_ref) <= TOL_DW[torch.float32]
+
+
+def test_empty_rows():
+    x = torch.empty(0, 64, device=DEVICE)
+    y, rstd = ascend.forward(x, None, EPS, 0.0, "llama")
+    assert y.shape == (0, 64) and rstd.shape == (0,)
