@@ -24,9 +24,10 @@ def test_forward_dispatch_thresholds():
     small_m = config.GATHER_MAX_ROWS_PER_SM * SMS
     assert config.forward_config(small_m, 4096, torch.bfloat16, SMS).mode == "gather"
     assert config.forward_config(small_m + 1, 4096, torch.bfloat16, SMS).mode == "persistent"
-    wide = 2 * config.MAX_SINGLE_TILE_N
+    wide = 2 * config.FWD_MAX_SINGLE_TILE_N
     cfg = config.forward_config(65536, wide, torch.bfloat16, SMS)
-    assert cfg.mode == "gather" and not cfg.single_tile and cfg.tile_n == config.CHUNK_N
+    assert cfg.mode == "gather" and not cfg.single_tile and cfg.tile_n == config.FWD_CHUNK_N
+    assert config.forward_config(65536, config.FWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS).mode == "persistent"
     with pytest.raises(ValueError, match="mode='gather'"):
         config.forward_config(65536, wide, torch.bfloat16, SMS, mode="persistent")
     with pytest.raises(ValueError, match="mode must be one of"):
@@ -45,7 +46,7 @@ def test_backward_config_invariants(m, n):
 
 
 def next_pow2_gt(n):
-    return config.next_pow2(n) > config.MAX_SINGLE_TILE_N
+    return config.next_pow2(n) > config.BWD_MAX_SINGLE_TILE_N
 
 
 def test_tiles_do_not_depend_on_m_within_a_bucket():

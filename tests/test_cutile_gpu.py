@@ -148,7 +148,7 @@ def test_forward_mode_chosen_by_heuristic():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     small = torch.empty(sms, 4096, device="cuda", dtype=torch.bfloat16)
     large = torch.empty(65536, 4096, device="cuda", dtype=torch.bfloat16)
-    wide = torch.empty(65536, 65536 // 4, device="cuda", dtype=torch.bfloat16)
+    wide = torch.empty(4096, 65536, device="cuda", dtype=torch.bfloat16)
     assert cutile.forward_config(small).mode == "gather"
     assert cutile.forward_config(large).mode == "persistent"
     assert cutile.forward_config(wide).mode == "gather" and not cutile.forward_config(wide).single_tile

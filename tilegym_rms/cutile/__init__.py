@@ -150,7 +150,7 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     else:
         row_dot = torch.empty((m,), dtype=torch.float32, device=x.device)
         args = (dy, x, w, rstd, row_dot, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(rms_norm_bwd_row_dot, (min(m, cfg.grid * cfg.num_chunks),), args, x.device)
+        launch(rms_norm_bwd_row_dot, (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),), args, x.device)
         args = (dy, x, w, rstd, row_dot, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
         launch(rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args, x.device)
     if not has_w:

@@ -14,10 +14,16 @@ import torch
 
 FORWARD_MODES = ("gather", "persistent")
 
-# Widest row kept in registers as one tile. Wider rows take the column-chunked kernels.
-MAX_SINGLE_TILE_N = 8192
-# Column chunk of the chunked kernels.
-CHUNK_N = 4096
+# Widest row kept in registers as one tile; wider rows take the column-chunked kernels. Measured on
+# H100 (bench/NOTES.md): the forward still streams at 95% of copy bandwidth with one 16384-wide bf16
+# row per tile, while the backward (two tiles live: x and dy) already drops at 16384.
+FWD_MAX_SINGLE_TILE_N = 16384
+BWD_MAX_SINGLE_TILE_N = 8192
+# Column chunk of the chunked kernels, and rows per tile in the chunked backward (4 x 4096 keeps
+# enough bytes in flight per block; 1 x 4096 reached only 28% of copy bandwidth in bf16).
+FWD_CHUNK_N = 8192
+BWD_CHUNK_N = 4096
+BWD_CHUNK_TILE_M = 4
 # Elements per tile that the forward / backward aim for (enough bytes in flight per block).
 FWD_TILE_ELEMS = 16384
 BWD_TILE_ELEMS = 8192
@@ -71,17 +77,17 @@ def _tile_m(tile_n: int, target_elems: int) -> int:
 def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str | None = None) -> ForwardConfig:
     """Chooses the forward kernel and its tiles. ``mode`` forces a kernel ("gather" / "persistent")."""
     del dtype  # one table for all dtypes for now; the key keeps room for per-dtype tuning
-    fits = next_pow2(n) <= MAX_SINGLE_TILE_N
+    fits = next_pow2(n) <= FWD_MAX_SINGLE_TILE_N
     if mode is None:
         mode = "persistent" if fits and m > GATHER_MAX_ROWS_PER_SM * num_sms else "gather"
     if mode not in FORWARD_MODES:
         raise ValueError(f"mode must be one of {FORWARD_MODES} or None, got {mode!r}")
     if mode == "persistent" and not fits:
         raise ValueError(
-            f"mode='persistent' needs rows of at most {MAX_SINGLE_TILE_N} elements (N={n}); use mode='gather'"
+            f"mode='persistent' needs rows of at most {FWD_MAX_SINGLE_TILE_N} elements (N={n}); use mode='gather'"
         )
     if mode == "gather":
-        tile_n = next_pow2(n) if fits else CHUNK_N
+        tile_n = next_pow2(n) if fits else FWD_CHUNK_N
         return ForwardConfig("gather", 1, tile_n, fits, m)
     tile_n = next_pow2(n)
     tile_m = _tile_m(tile_n, FWD_TILE_ELEMS)
@@ -91,14 +97,14 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
 def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> BackwardConfig:
     """Chooses the backward kernels, tiles and the number of dw partial rows (``grid``)."""
     del dtype
-    if next_pow2(n) <= MAX_SINGLE_TILE_N:
+    if next_pow2(n) <= BWD_MAX_SINGLE_TILE_N:
         tile_n = next_pow2(n)
         tile_m = _tile_m(tile_n, BWD_TILE_ELEMS)
         return BackwardConfig("fused", tile_m, tile_n, min(num_sms * BLOCKS_PER_SM, cdiv(m, tile_m)), 1)
-    num_chunks = cdiv(n, CHUNK_N)
-    # Enough row workers that (workers x chunks) fills the GPU, never more than there are rows.
-    grid = max(1, min(cdiv(num_sms * BLOCKS_PER_SM, num_chunks), m))
-    return BackwardConfig("chunked", 1, CHUNK_N, grid, num_chunks)
+    num_chunks = cdiv(n, BWD_CHUNK_N)
+    # Enough row workers that (workers x chunks) fills the GPU, never more than there are row tiles.
+    grid = max(1, min(cdiv(num_sms * BLOCKS_PER_SM, num_chunks), cdiv(m, BWD_CHUNK_TILE_M)))
+    return BackwardConfig("chunked", BWD_CHUNK_TILE_M, BWD_CHUNK_N, grid, num_chunks)
 
 
 def reduce_grid(n: int) -> int:

@@ -1,0 +1,134 @@
+"""CPU checks of the benchmark machinery (no GPU needed): ``pytest bench/``."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as c  # noqa: E402
+
+
+def test_bytes():
+    m, n = 4096, 1024
+    assert c.forward_bytes(m, n, 2) == 2 * m * n * 2 + n * 2
+    assert c.backward_bytes(m, n, 2) == 3 * m * n * 2 + 2 * n * 2 + 4 * m
+    assert c.full_bytes(m, n, 4) == c.forward_bytes(m, n, 4) + 4 * m + c.backward_bytes(m, n, 4)
+    assert c.op_bytes("standalone", m, n, 2) == c.op_bytes("backward", m, n, 2)
+    ws = 132 * n * 4
+    minimal = c.backward_bytes(m, n, 2)
+    assert c.workspace_share(minimal, ws) == pytest.approx(2 * ws / (minimal + 2 * ws))
+
+
+def test_percentiles_match_numpy_linear():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(0)
+    for size in (1, 2, 3, 10, 21):
+        values = [rng.random() for _ in range(size)]
+        for q in (20, 50, 80):
+            assert c.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert c.summarize([1, 2, 3, 4, 5]) == (3, 1.8, 4.2)
+
+
+def test_rotation():
+    l2 = 50 * 2**20
+    n, capped = c.rotation_sets(10 * 2**20, l2)
+    assert n * 10 * 2**20 > 4 * l2 and (n - 1) * 10 * 2**20 <= 4 * l2 and not capped
+    assert c.rotation_sets(5 * l2, l2) == (1, False)
+    assert c.rotation_sets(10, l2) == (c.MAX_SETS, True)
+    for sets in (1, 3, 13):
+        calls = c.calls_per_pass(sets)
+        assert calls % sets == 0 and calls >= c.MIN_CALLS_PER_PASS
+
+
+@pytest.mark.parametrize(
+    "name,slug",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA GH200 480GB", "gh200"),
+        ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
+    ],
+)
+def test_gpu_slug(name, slug):
+    assert c.gpu_slug(name) == slug
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_relative_errors(dtype):
+    dt = c.DTYPES[dtype]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 96, generator=g).to(dt)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dt)
+    dy = torch.randn(200, 96, generator=g).to(dt)
+    xf, wf, dyf = x.float(), w.float(), dy.float()
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)
+    xhat = xf * rstd
+    y = (xhat.to(dt).float() * wf).to(dt)
+    gw = dyf * wf
+    dx = (rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))).to(dt)
+    dw = (dyf * xhat).sum(0).to(dt)
+    errs = c.relative_errors(x, w, 1e-6, {"y": y, "dx": dx, "dw": dw}, dy)
+    assert c.check_ok(errs, dtype), errs
+    bad = c.relative_errors(x, w, 1e-6, {"y": y.float() * 1.05, "dw": dw.float() * float("nan")}, dy)
+    assert not c.check_ok(bad, dtype)
+    assert bad["y"] == pytest.approx(0.05, rel=0.05)
+
+
+def _points(ns, ok_at=None):
+    pts = []
+    for n in ns:
+        us = [10.0 + i for i in range(10)]
+        p = c.Point("k", "forward", "grid", "prov", "bf16", 4096, n, "N", "hidden size N", n, {"M": 4096}, us=us)
+        p.nbytes = c.forward_bytes(4096, n, 2)
+        p.errs = {"y": 1e-3}
+        p.ok = ok_at is None or n != ok_at
+        pts.append(p)
+    return pts
+
+
+META = {"gpu_name": "g", "timestamp": "t", "tilegym_rms_version": "v", "copy_bandwidth_GBps": 3000.0}
+
+
+def test_records_and_merge(tmp_path):
+    recs = c.build_records(_points([1024, 2048, 4096], ok_at=2048), META)
+    thr = next(r for r in recs if r["metric_name"] == "throughput")
+    keys = {"kernel_name", "kernel_provider", "metric_name", "metric_unit", "gpu_name", "x_name", "x_label"}
+    keys |= {"x_values", "y_values_50", "y_values_20", "y_values_80", "timestamp", "kernel_operation_mode"}
+    keys |= {"extra_benchmark_config_str", "tilegym_rms_version"}
+    assert keys <= set(thr)
+    assert thr["x_values"] == [1024, 2048, 4096] and thr["mismatch_x_values"] == [2048]
+    bands = zip(thr["y_values_20"], thr["y_values_50"], thr["y_values_80"], strict=True)
+    assert all(lo <= mid <= hi for lo, mid, hi in bands)
+    path = tmp_path / "r.json"
+    c.write_json(path, c.build_records(_points([1024, 2048]), META))
+    merged = c.write_json(path, c.build_records(_points([2048, 4096], ok_at=4096), META))
+    thr = next(r for r in merged if r["metric_name"] == "throughput")
+    assert thr["x_values"] == [1024, 2048, 4096] and thr["mismatch_x_values"] == [4096]
+    assert json.loads(path.read_text()) == merged
+
+
+def test_table_and_plot(tmp_path):
+    pts = _points([1024, 2048], ok_at=2048)
+    table = c.results_table(pts, ["prov"], 3000.0)
+    assert "!" in table.splitlines()[-1] and "%" in table
+    pytest.importorskip("matplotlib")
+    recs = [r for r in c.build_records(pts, META) if r["metric_name"] == "throughput"]
+    msg = c.plot_records(recs, tmp_path / "p.png", "t", 3000.0)
+    assert (tmp_path / "p.png").stat().st_size > 0, msg
+
+
+def test_split_by_markers():
+    a = c.Activity
+    ev = [a(0, 1, "m", "kernel"), a(1, 10, "k", "kernel"), a(2, 1, "m", "kernel"), a(3, 20, "k", "kernel")]
+    ev.append(a(4, 1, "m", "kernel"))
+    seg = c.split_by_markers(ev, "m", 2)
+    assert [[e.dur_ns for e in s] for s in seg] == [[10], [20]]
+    assert c.split_by_markers(ev, "m", 3) is None
