@@ -166,6 +166,10 @@ def test_experimental_warning_silenced_by_env(monkeypatch):
 def test_cutile_backward_kernels_are_marked_experimental():
     from tilegym_rms.cutile import kernels
 
-    for k in (kernels.rms_norm_bwd_persistent, kernels.rms_norm_bwd_row_dot, kernels.rms_norm_bwd_column_chunk,
-              kernels.rms_norm_dw_reduce):
+    for k in (
+        kernels.rms_norm_bwd_persistent,
+        kernels.rms_norm_bwd_row_dot,
+        kernels.rms_norm_bwd_column_chunk,
+        kernels.rms_norm_dw_reduce,
+    ):
         assert experimental.is_experimental(k, "cuda")

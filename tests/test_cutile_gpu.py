@@ -62,7 +62,7 @@ def _check(m, n, dtype, *, weight=True, offset=0.0, casting_mode="llama", mode=N
     dev = "cuda"
     if x is None:
         x = torch.randn(m, n, dtype=dtype, device=dev)
-    w = (torch.randn(n, dtype=dtype, device=dev) if weight else None)
+    w = torch.randn(n, dtype=dtype, device=dev) if weight else None
     dy = torch.randn(x.shape, dtype=dtype, device=dev)
     kw = dict(offset=offset, casting_mode=casting_mode, backend="cutile")
     y, rstd = tilegym_rms.rms_norm_forward(x, w, eps, mode=mode, **kw)
@@ -195,7 +195,7 @@ def test_autograd_torch_compile_fullgraph_gpu():
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     compiled(x).square().sum().backward()
-    for g, p in zip(eager, model.parameters()):
+    for g, p in zip(eager, model.parameters(), strict=False):
         assert (p.grad - g).norm() / g.norm() <= 1e-4
 
 

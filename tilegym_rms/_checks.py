@@ -41,7 +41,9 @@ def check_inputs(x, weight, eps, offset, casting_mode) -> int:
     if isinstance(offset, bool) or not isinstance(offset, (int, float)):
         raise TypeError(f"offset must be a number, got {type(offset).__name__}")
     if weight is None and offset != 0:
-        raise ValueError("offset applies to the weight (y = x * rstd * (offset + weight)); with weight=None it must be 0")
+        raise ValueError(
+            "offset applies to the weight (y = x * rstd * (offset + weight)): with weight=None it must be 0"
+        )
     if casting_mode not in CASTING_MODES:
         raise ValueError(f"casting_mode must be one of {', '.join(map(repr, CASTING_MODES))}, got {casting_mode!r}")
     return n
@@ -50,9 +52,7 @@ def check_inputs(x, weight, eps, offset, casting_mode) -> int:
 def check_dtype_for_backend(x, backend_name: str, supported) -> None:
     if x.dtype not in supported:
         hint = " (use backend='torch' for float64)" if x.dtype == torch.float64 else ""
-        raise TypeError(
-            f"backend {backend_name!r} supports x of dtype {_dtype_names(supported)}, got {x.dtype}{hint}"
-        )
+        raise TypeError(f"backend {backend_name!r} supports x of dtype {_dtype_names(supported)}, got {x.dtype}{hint}")
 
 
 def check_like(name: str, t, x) -> None:

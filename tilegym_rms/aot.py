@@ -81,13 +81,27 @@ def variants() -> list[Variant]:
                 for has_w in (True, False):
                     x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
                     if b.mode == "fused":
-                        add("rms_norm_bwd_persistent", x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n,
-                            has_w)
+                        add("rms_norm_bwd_persistent", x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, has_w)
                     else:
                         add("rms_norm_bwd_row_dot", x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w)
-                        add("rms_norm_bwd_column_chunk", x2, x2, w1, r1, r1, x2, _arr(_F32, 2), _S, b.tile_m,
-                            b.tile_n, has_w)
-        add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), config.REDUCE_TILE_G, config.REDUCE_TILE_N)
+                        add(
+                            "rms_norm_bwd_column_chunk",
+                            x2,
+                            x2,
+                            w1,
+                            r1,
+                            r1,
+                            x2,
+                            _arr(_F32, 2),
+                            _S,
+                            b.tile_m,
+                            b.tile_n,
+                            has_w,
+                        )
+    for n in REPRESENTATIVE_N:
+        red = config.reduce_config(n, REFERENCE_SMS)
+        for dtype in DTYPES:
+            add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)
     return list(found)
 
 
@@ -99,8 +113,16 @@ def _signature(v: Variant):
     params = []
     for p in v.params:
         if isinstance(p, tuple) and p[0] == "array":
-            params.append(ArrayConstraint(ct_dtype[p[1]], p[2], index_dtype=ct.int32, stride_lower_bound_incl=0,
-                                          alias_groups=(), may_alias_internally=False))
+            params.append(
+                ArrayConstraint(
+                    ct_dtype[p[1]],
+                    p[2],
+                    index_dtype=ct.int32,
+                    stride_lower_bound_incl=0,
+                    alias_groups=(),
+                    may_alias_internally=False,
+                )
+            )
         elif isinstance(p, tuple) and p[0] == "scalar":
             params.append(ScalarConstraint(ct.float32))
         else:
@@ -140,8 +162,10 @@ def run(archs=ARCHS, jobs: int = 2, out=sys.stdout) -> int:
         for v, a, size, err, secs in pool.map(one, todo):
             failures += err is not None
             print(f"{v.describe():<72} {a:<7} {size:>8} {secs:>5.1f}  {err or 'ok'}", file=out, flush=True)
-    print(f"{len(todo) - failures} compiled, {failures} failed ({len(variants())} variants x {len(archs)} archs)",
-          file=out)
+    print(
+        f"{len(todo) - failures} compiled, {failures} failed ({len(variants())} variants x {len(archs)} archs)",
+        file=out,
+    )
     return failures
 
 

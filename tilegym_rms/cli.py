@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import runpy
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,45 +37,54 @@ def _gpu_time_us(fn, reps=50) -> float:
     return start.elapsed_time(end) * 1000 / reps
 
 
+def _check_one(backend: str, device: torch.device, dtype: torch.dtype, m: int, n: int) -> bool:
+    """Forward and backward of one dtype against float64 (and a quick timing on a GPU)."""
+    torch.manual_seed(0)
+    x = torch.randn(m, n, dtype=dtype, device=device)
+    w = torch.randn(n, dtype=dtype, device=device)
+    dy = torch.randn_like(x)
+    y, rstd = rms_norm_forward(x, w, backend=backend)
+    dx, dw = rms_norm_backward(x, dy, w, rstd, backend=backend)
+    y_ref, r_ref = reference.rms_norm_forward(x.double(), w.double(), 1e-6)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), r_ref)
+    errs = {"y": _rel(y, y_ref), "dx": _rel(dx, dx_ref), "dw": _rel(dw, dw_ref)}
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    ok = errs["y"] <= tol and errs["dx"] <= tol and errs["dw"] <= 1e-2
+    shown = ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
+    print(f"{backend} {str(dtype).replace('torch.', '')} ({m}x{n}) vs float64: {shown} -> {'ok' if ok else 'FAIL'}")
+    if device.type == "cuda":
+        ours = _gpu_time_us(lambda: rms_norm_forward(x, w, backend=backend))
+        theirs = _gpu_time_us(lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-6))
+        ours_b = _gpu_time_us(lambda: rms_norm_backward(x, dy, w, rstd, backend=backend))
+        print(
+            f"  forward {ours:.1f} us (torch F.rms_norm {theirs:.1f} us); backward {ours_b:.1f} us "
+            "(CUDA events around 50 eager calls; bench/ has the careful numbers)"
+        )
+    return ok
+
+
 def check(m: int = 4096, n: int = 4096) -> int:
     """The main job: backends, a correctness run against float64, and a quick timing on a GPU."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    print(f"tilegym_rms {__version__}, torch {torch.__version__}, device {device}"
-          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    print(
+        f"tilegym_rms {__version__}, torch {torch.__version__}, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    )
     for name, (ok, why) in available_backends(device).items():
         print(f"  {name:<7} {'can run' if ok else 'cannot run: ' + why}")
     backend = resolve_backend(device)
     dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
-    failed = False
-    for dtype in dtypes:
-        torch.manual_seed(0)
-        x = torch.randn(m, n, dtype=dtype, device=device)
-        w = torch.randn(n, dtype=dtype, device=device)
-        dy = torch.randn_like(x)
-        y, rstd = rms_norm_forward(x, w, backend=backend)
-        dx, dw = rms_norm_backward(x, dy, w, rstd, backend=backend)
-        y_ref, r_ref = reference.rms_norm_forward(x.double(), w.double(), 1e-6)
-        dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), r_ref)
-        errs = {"y": _rel(y, y_ref), "dx": _rel(dx, dx_ref), "dw": _rel(dw, dw_ref)}
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        ok = errs["y"] <= tol and errs["dx"] <= tol and errs["dw"] <= 1e-2
-        failed |= not ok
-        shown = ", ".join(f"{k} {v:.2e}" for k, v in errs.items())
-        print(f"{backend} {str(dtype).replace('torch.', '')} ({m}x{n}) vs float64: {shown} -> {'ok' if ok else 'FAIL'}")
-        if device.type == "cuda":
-            ours = _gpu_time_us(lambda: rms_norm_forward(x, w, backend=backend))
-            theirs = _gpu_time_us(lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-6))
-            ours_b = _gpu_time_us(lambda: rms_norm_backward(x, dy, w, rstd, backend=backend))
-            print(f"  forward {ours:.1f} us (torch {theirs:.1f} us); backward {ours_b:.1f} us "
-                  f"(events around 50 eager calls; bench/ has the careful numbers)")
-    return 1 if failed else 0
+    failed = [not _check_one(backend, device, dtype, m, n) for dtype in dtypes]
+    return 1 if any(failed) else 0
 
 
 def _run_bench(script: str, argv) -> int:
     path = Path(__file__).resolve().parent.parent / "bench" / script
     if not path.exists():
-        print(f"{path} not found: the benchmarks live in the repository's bench/ (install with pip install -e .)",
-              file=sys.stderr)
+        print(
+            f"{path} not found: the benchmarks live in the repository's bench/ (install with pip install -e .)",
+            file=sys.stderr,
+        )
         return 2
     sys.path.insert(0, str(path.parent))
     module = runpy.run_path(str(path), run_name="tilegym_rms_bench")
@@ -86,9 +94,14 @@ def _run_bench(script: str, argv) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="tilegym-rms", description=__doc__.splitlines()[2])
-    parser.add_argument("command", nargs="?", default="check", choices=["check", "aot", *BENCH_SCRIPTS],
-                        help="check (default): backends, correctness, quick timing; aot: compile check; "
-                             "bench / bench-backward: run the benchmark scripts (further flags pass through)")
+    parser.add_argument(
+        "command",
+        nargs="?",
+        default="check",
+        choices=["check", "aot", *BENCH_SCRIPTS],
+        help="check (default): backends, correctness, quick timing; aot: compile check; "
+        "bench / bench-backward: run the benchmark scripts (further flags pass through)",
+    )
     parser.add_argument("--m", type=int, default=4096, help="rows for check (default 4096)")
     parser.add_argument("--n", type=int, default=4096, help="hidden size for check (default 4096)")
     if argv and argv[0] in ("aot", *BENCH_SCRIPTS):

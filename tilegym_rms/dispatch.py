@@ -25,12 +25,16 @@ _MODULES = {"cutile": "tilegym_rms.cutile", "triton": "tilegym_rms.ascend", "tor
 _AUTO_ORDER = {"cuda": ("cutile", "triton", "torch"), "npu": ("triton",), "cpu": ("torch",)}
 
 _resolved: dict[tuple, str] = {}
+_modules: dict[str, object] = {}
 
 
 def backend_module(name: str):
-    """The module implementing backend ``name``."""
-    check_backend_name(name)
-    return importlib.import_module(_MODULES[name])
+    """The module implementing backend ``name`` (imported on first use)."""
+    module = _modules.get(name)
+    if module is None:
+        check_backend_name(name)
+        module = _modules[name] = importlib.import_module(_MODULES[name])
+    return module
 
 
 def check_backend_name(name: str) -> None:
@@ -55,13 +59,16 @@ def available_backends(device=None) -> dict[str, tuple[bool, str]]:
 
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
     """The backend name to use on ``device``. Raises ValueError for an unknown name and
-    RuntimeError (saying why) for a backend that cannot run there. Cached per device."""
-    if requested is None:
-        requested = os.environ.get(BACKEND_ENV) or None
+    RuntimeError (saying why) for a backend that cannot run there.
+
+    Cached per (device, requested): ``TILEGYM_RMS_BACKEND`` is read when a device is first seen,
+    which keeps it off the per-call path (call ``_clear_cache()`` after changing it)."""
     key = (device.type, device.index, requested)
     name = _resolved.get(key)
     if name is not None:
         return name
+    if requested is None:
+        requested = os.environ.get(BACKEND_ENV) or None
     if requested is not None:
         check_backend_name(requested)
         ok, why = backend_module(requested).available(device)

@@ -18,8 +18,18 @@ class RMSNorm(torch.nn.RMSNorm):
     ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in torch.
     """
 
-    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, *,
-                 offset=0.0, casting_mode="llama", backend=None):
+    def __init__(
+        self,
+        normalized_shape,
+        eps=None,
+        elementwise_affine=True,
+        device=None,
+        dtype=None,
+        *,
+        offset=0.0,
+        casting_mode="llama",
+        backend=None,
+    ):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, device=device, dtype=dtype)
         self.offset = offset
         self.casting_mode = casting_mode
@@ -28,7 +38,7 @@ class RMSNorm(torch.nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         dims = len(self.normalized_shape)
-        if tuple(x.shape[x.dim() - dims:]) != tuple(self.normalized_shape):
+        if tuple(x.shape[x.dim() - dims :]) != tuple(self.normalized_shape):
             raise ValueError(f"expected input with trailing shape {tuple(self.normalized_shape)}, got {tuple(x.shape)}")
         weight = self.weight.reshape(-1) if self.weight is not None else None
         flat = x.reshape(*x.shape[: x.dim() - dims], math.prod(self.normalized_shape)) if dims > 1 else x

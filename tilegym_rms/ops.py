@@ -25,6 +25,8 @@ _KERNEL_DTYPES = _checks.KERNEL_DTYPES
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """A 2-D ``(M, N)`` view with a dense last dim; copies only when no such view exists."""
+    if t.dim() == 2 and t.is_contiguous():
+        return t  # the common case, kept cheap: this runs on every call
     t2 = t.reshape(-1, n)
     if (n > 1 and t2.stride(1) != 1) or (t2.shape[0] > 1 and t2.stride(0) < n):
         t2 = t2.contiguous()  # a gather along the row, or rows that overlap (broadcast grads)
@@ -47,14 +49,17 @@ def _forward(x, weight, eps, offset, casting_mode, backend, mode=None):
     n = x.shape[-1]
     kwargs = {"mode": mode} if mode is not None else {}
     y, rstd = module.forward(_rows(x, n), _dense_weight(weight), eps, offset, casting_mode, **kwargs)
+    if x.dim() == 2:
+        return y, rstd
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
 def _backward(dy, x, weight, rstd, offset, casting_mode, backend):
     module = _backend(x, backend)
     n = x.shape[-1]
-    dx, dw = module.backward(_rows(dy, n), _rows(x, n), _dense_weight(weight), rstd.reshape(-1), offset, casting_mode)
-    return dx.view(x.shape), dw
+    rows = rstd if rstd.dim() == 1 else rstd.reshape(-1)
+    dx, dw = module.backward(_rows(dy, n), _rows(x, n), _dense_weight(weight), rows, offset, casting_mode)
+    return (dx if x.dim() == 2 else dx.view(x.shape)), dw
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,7 +213,8 @@ def _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, bac
     n = x.shape[-1]
     fused = getattr(module, "fused_add_forward", None)
     if fused is not None:
-        y, res_out, rstd = fused(_rows(x, n), _rows(residual, n), _dense_weight(weight), eps, mode, offset, casting_mode)
+        w = _dense_weight(weight)
+        y, res_out, rstd = fused(_rows(x, n), _rows(residual, n), w, eps, mode, offset, casting_mode)
         res_out = res_out.view(x.shape) if mode == "pre" else None
     else:  # a backend without a fused kernel: the add in torch, the norm in the backend's kernel
         res_out = x + residual

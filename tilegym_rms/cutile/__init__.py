@@ -18,7 +18,7 @@ SUPPORTED_CC_EXACT = ((9, 0),)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _toolchain_status() -> tuple[bool, str]:
     try:
         import cuda.tile  # noqa: F401
@@ -37,7 +37,7 @@ def cc_supported(cc: tuple[int, int]) -> bool:
     return cc[0] in SUPPORTED_CC_MAJORS or tuple(cc) in SUPPORTED_CC_EXACT
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_status(device_index: int) -> tuple[bool, str]:
     cc = torch.cuda.get_device_capability(device_index)
     if not cc_supported(cc):
@@ -72,10 +72,18 @@ def _backward_config(device_index, m, n, dtype):
     return config.backward_config(m, n, dtype, num_sms(device_index))
 
 
-def forward_config(x: torch.Tensor, mode: str | None = None) -> config.ForwardConfig:
+@functools.lru_cache(maxsize=4096)
+def _reduce_config(device_index, n):
+    from .launch import num_sms
+
+    return config.reduce_config(n, num_sms(device_index))
+
+
+def forward_config(x: torch.Tensor, mode: str | None = None, device_index: int | None = None) -> config.ForwardConfig:
     """The forward configuration the dispatcher picks for ``x`` (M, N); tests assert on it."""
     m, n = x.shape
-    cfg = _forward_config(_device_index(x), config.m_bucket(m), n, x.dtype, mode)
+    device_index = _device_index(x) if device_index is None else device_index
+    cfg = _forward_config(device_index, config.m_bucket(m), n, x.dtype, mode)
     # Tiles come from the bucket; the grid must follow the real M (no block without a tile).
     if cfg.mode == "gather":
         return config.ForwardConfig(cfg.mode, cfg.tile_m, cfg.tile_n, cfg.single_tile, m)
@@ -98,16 +106,17 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m == 0:
         return y, rstd
-    cfg = forward_config(x, mode)
+    dev = _device_index(x)
+    cfg = forward_config(x, mode, dev)
     cast = CAST_CODES[casting_mode]
     w = _weight_arg(weight, x)
     has_w = weight is not None
     if cfg.mode == "gather":
         args = (x, w, y, rstd, float(eps), float(offset), cfg.tile_n, cast, has_w, cfg.single_tile)
-        launch(rms_norm_fwd_gather, (m,), args, x.device)
+        launch(rms_norm_fwd_gather, (m,), args, dev)
     else:
         args = (x, w, y, rstd, float(eps), float(offset), cfg.tile_m, cfg.tile_n, cast, has_w)
-        launch(rms_norm_fwd_persistent, (cfg.grid,), args, x.device)
+        launch(rms_norm_fwd_persistent, (cfg.grid,), args, dev)
     return y, rstd
 
 
@@ -140,22 +149,23 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     has_w = weight is not None
     if m == 0:
         return dx, (torch.zeros_like(weight) if has_w else None)
-    cfg = backward_config(x)
+    dev = _device_index(x)
+    cfg = _backward_config(dev, m, n, x.dtype)
     w = _weight_arg(weight, x)
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
     dw_partial = torch.empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32, device=x.device)
     if cfg.mode == "fused":
         args = (dy, x, w, rstd, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(rms_norm_bwd_persistent, (cfg.grid,), args, x.device)
+        launch(rms_norm_bwd_persistent, (cfg.grid,), args, dev)
     else:
         row_dot = torch.empty((m,), dtype=torch.float32, device=x.device)
         args = (dy, x, w, rstd, row_dot, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(rms_norm_bwd_row_dot, (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),), args, x.device)
+        launch(rms_norm_bwd_row_dot, (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),), args, dev)
         args = (dy, x, w, rstd, row_dot, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args, x.device)
+        launch(rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args, dev)
     if not has_w:
         return dx, None
     dw = torch.empty((n,), dtype=weight.dtype, device=x.device)
-    launch(rms_norm_dw_reduce, (config.reduce_grid(n),), (dw_partial, dw, config.REDUCE_TILE_G, config.REDUCE_TILE_N),
-           x.device)
+    red = _reduce_config(dev, n)
+    launch(rms_norm_dw_reduce, (red.grid,), (dw_partial, dw, red.tile_g, red.tile_n), dev)
     return dx, dw

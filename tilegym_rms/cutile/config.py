@@ -33,9 +33,13 @@ BLOCKS_PER_SM = 2
 # The forward uses the gather kernel (one row per block) while M is at most this many waves of SMs:
 # with so few rows, a block per row spreads them widest.
 GATHER_MAX_ROWS_PER_SM = 2
-# Final dw reduction: partial rows summed per step, columns per block.
-REDUCE_TILE_G = 16
-REDUCE_TILE_N = 256
+# Final dw reduction: each block owns a strip of columns and sums all partial rows. The strip is
+# narrow enough that there are at least as many blocks as SMs: with 256-column strips a 2048-wide dw
+# had 8 blocks walking 264 partial rows one after another, and the reduction, not the backward
+# kernel, set the time of small shapes. Each step loads about REDUCE_TILE_ELEMS fp32 values.
+REDUCE_MIN_TILE_N = 16
+REDUCE_MAX_TILE_N = 256
+REDUCE_TILE_ELEMS = 4096
 
 
 def next_pow2(n: int) -> int:
@@ -107,5 +111,18 @@ def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> Backwar
     return BackwardConfig("chunked", BWD_CHUNK_TILE_M, BWD_CHUNK_N, grid, num_chunks)
 
 
-def reduce_grid(n: int) -> int:
-    return cdiv(n, REDUCE_TILE_N)
+@dataclass(frozen=True)
+class ReduceConfig:
+    tile_g: int  # partial rows per step
+    tile_n: int  # columns per block
+    grid: int
+
+
+def prev_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def reduce_config(n: int, num_sms: int) -> ReduceConfig:
+    """Tiles of the final dw reduction for a hidden size ``n``."""
+    tile_n = max(REDUCE_MIN_TILE_N, min(REDUCE_MAX_TILE_N, prev_pow2(n // max(num_sms, 1))))
+    return ReduceConfig(REDUCE_TILE_ELEMS // tile_n, tile_n, cdiv(n, tile_n))

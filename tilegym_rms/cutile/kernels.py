@@ -69,8 +69,18 @@ def _normalize(xf, r, wt, CAST, dtype):
 
 
 @ct.kernel
-def rms_norm_fwd_gather(x, w, y, rstd, eps, offset, TILE_N: ct.Constant[int], CAST: ct.Constant[int],
-                        HAS_W: ct.Constant[bool], SINGLE_TILE: ct.Constant[bool]):
+def rms_norm_fwd_gather(
+    x,
+    w,
+    y,
+    rstd,
+    eps,
+    offset,
+    TILE_N: ct.Constant[int],
+    CAST: ct.Constant[int],
+    HAS_W: ct.Constant[bool],
+    SINGLE_TILE: ct.Constant[bool],
+):
     """One row per block. ``SINGLE_TILE``: the row fits one tile and stays in registers; otherwise
     pass 1 sums squares over column chunks and pass 2 re-reads each chunk to normalize it."""
     row = ct.bid(0)
@@ -95,8 +105,18 @@ def rms_norm_fwd_gather(x, w, y, rstd, eps, offset, TILE_N: ct.Constant[int], CA
 
 
 @ct.kernel
-def rms_norm_fwd_persistent(x, w, y, rstd, eps, offset, TILE_M: ct.Constant[int], TILE_N: ct.Constant[int],
-                            CAST: ct.Constant[int], HAS_W: ct.Constant[bool]):
+def rms_norm_fwd_persistent(
+    x,
+    w,
+    y,
+    rstd,
+    eps,
+    offset,
+    TILE_M: ct.Constant[int],
+    TILE_N: ct.Constant[int],
+    CAST: ct.Constant[int],
+    HAS_W: ct.Constant[bool],
+):
     """Static persistent: the weight is loaded once per block, which then grid-strides over
     ``TILE_M x TILE_N`` row tiles (``TILE_N >= N``)."""
     n = x.shape[1]
@@ -119,8 +139,9 @@ def _load_rstd(rstd, t, TILE_M):
 
 @experimental_kernel
 @ct.kernel
-def rms_norm_bwd_persistent(dy, x, w, rstd, dx, dw_partial, offset, TILE_M: ct.Constant[int],
-                            TILE_N: ct.Constant[int], HAS_W: ct.Constant[bool]):
+def rms_norm_bwd_persistent(
+    dy, x, w, rstd, dx, dw_partial, offset, TILE_M: ct.Constant[int], TILE_N: ct.Constant[int], HAS_W: ct.Constant[bool]
+):
     """Rows fit one tile (``TILE_N >= N``). Each block grid-strides over row tiles, writes dx, and
     keeps its share of dw in fp32 registers; at the end it writes row ``bid`` of ``dw_partial``."""
     n = x.shape[1]
@@ -141,8 +162,9 @@ def rms_norm_bwd_persistent(dy, x, w, rstd, dx, dw_partial, offset, TILE_M: ct.C
 
 @experimental_kernel
 @ct.kernel
-def rms_norm_bwd_row_dot(dy, x, w, rstd, row_dot, offset, TILE_M: ct.Constant[int], TILE_N: ct.Constant[int],
-                         HAS_W: ct.Constant[bool]):
+def rms_norm_bwd_row_dot(
+    dy, x, w, rstd, row_dot, offset, TILE_M: ct.Constant[int], TILE_N: ct.Constant[int], HAS_W: ct.Constant[bool]
+):
     """Wide rows, step 1 of 2: ``row_dot[m] = mean(x^ * w~ * dy)`` over column chunks."""
     n = x.shape[1]
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
@@ -156,8 +178,19 @@ def rms_norm_bwd_row_dot(dy, x, w, rstd, row_dot, offset, TILE_M: ct.Constant[in
 
 @experimental_kernel
 @ct.kernel
-def rms_norm_bwd_column_chunk(dy, x, w, rstd, row_dot, dx, dw_partial, offset, TILE_M: ct.Constant[int],
-                              TILE_N: ct.Constant[int], HAS_W: ct.Constant[bool]):
+def rms_norm_bwd_column_chunk(
+    dy,
+    x,
+    w,
+    rstd,
+    row_dot,
+    dx,
+    dw_partial,
+    offset,
+    TILE_M: ct.Constant[int],
+    TILE_N: ct.Constant[int],
+    HAS_W: ct.Constant[bool],
+):
     """Wide rows, step 2 of 2: block ``(b, j)`` owns column chunk ``j`` and grid-strides over row
     tiles along axis 0; it writes dx for its chunk and its dw share into ``dw_partial[b, chunk j]``."""
     j = ct.bid(1)
