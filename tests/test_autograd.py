@@ -92,3 +92,30 @@ def test_autograd_standalone_backward_matches_autograd():
     y, rstd = tilegym_rms.rms_norm_forward(x.detach(), w.detach(), offset=0.3)
     dx, dw = tilegym_rms.rms_norm_backward(x.detach(), dy, w.detach(), rstd, offset=0.3)
     assert torch.allclose(dx, x.grad) and torch.allclose(dw, w.grad)
+
+
+@pytest.mark.parametrize("mode", ["pre", "post"])
+def test_autograd_fused_add_torch_compile_fullgraph_matches_eager(mode):
+    torch.manual_seed(7)
+    w = torch.randn(24, requires_grad=True)
+
+    def block(x, r):
+        y, res = tilegym_rms.fused_add_rms_norm(x, r, w, 1e-6, mode=mode, offset=0.5)
+        return (y * 3 + res.cos()).sum()
+
+    inputs = [torch.randn(5, 24, requires_grad=True) for _ in range(2)]
+    block(*inputs).backward()
+    eager = [t.grad.clone() for t in (*inputs, w)]
+    for t in (*inputs, w):
+        t.grad = None
+    torch._dynamo.reset()
+    torch.compile(block, fullgraph=True, backend="aot_eager")(*inputs).backward()
+    for g_eager, t in zip(eager, (*inputs, w), strict=True):
+        assert rel_err(t.grad, g_eager) <= 1e-6
+
+
+def test_autograd_fused_add_only_residual_used():
+    x = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, r, w: tilegym_rms.fused_add_rms_norm(x, r, w)[1].exp(), (x, r, w))

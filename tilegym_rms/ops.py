@@ -1,9 +1,10 @@
 """Public functional API and its PyTorch wiring.
 
-Eager calls go through :class:`RMSNormFunction` (a plain autograd Function: the least host work
-per call). Under ``torch.compile`` the same computation is reached through the custom ops
-``tilegym_rms::rms_norm_fwd`` / ``tilegym_rms::rms_norm_bwd``, which have fake (meta)
-implementations and registered autograd, so a compiled model traces without graph breaks.
+Eager calls go through :class:`RMSNormFunction` / :class:`FusedAddRMSNormFunction` (plain autograd
+Functions: the least host work per call). Under ``torch.compile`` the same computation is reached
+through the custom ops ``tilegym_rms::rms_norm_fwd``, ``tilegym_rms::rms_norm_bwd`` and
+``tilegym_rms::fused_add_rms_norm_fwd``, which have fake (meta) implementations and registered
+autograd, so a compiled model traces without graph breaks.
 """
 
 from __future__ import annotations
@@ -222,31 +223,86 @@ def _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, bac
     return y.view(x.shape), res_out, rstd.view(x.shape[:-1])
 
 
+def _fused_add_saved(x, residual, res_out, mode):
+    """What the backward needs to rebuild the sum: "pre" wrote it, "post" never did (recomputed)."""
+    return (res_out, None) if mode == "pre" else (x, residual)
+
+
+def _fused_add_backward(norm_backward, a, b, weight, rstd, mode, offset, casting_mode, backend, dy, dres):
+    """Gradients ``(dx = dresidual, dw)`` of the fused add; ``norm_backward`` is the RMSNorm backward
+    to use (eager function or custom op), ``dres`` the gradient of a written ``residual_out``."""
+    s = a if mode == "pre" else a + b
+    if dy is None:  # only residual_out was used
+        dy = torch.zeros_like(s)
+    if mode == "post" and dres is not None:
+        dy = dy + dres  # residual_out is y: its gradient flows into the norm too
+    ds, dw = norm_backward(dy, s, weight, rstd, offset, casting_mode, backend)
+    if mode == "pre" and dres is not None:
+        ds = ds + dres
+    return ds, dw
+
+
 class FusedAddRMSNormFunction(torch.autograd.Function):
-    """``(y, residual_out)`` of :func:`fused_add_rms_norm`; the backward reuses the RMSNorm backward."""
+    """``(y, residual_out)`` of :func:`fused_add_rms_norm` (eager path)."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, mode, offset, casting_mode, backend):
         y, res_out, rstd = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend)
-        # "pre" keeps the sum it wrote; "post" never wrote it and recomputes it in the backward.
-        saved = (res_out, None) if mode == "pre" else (x, residual)
-        ctx.save_for_backward(*saved, weight, rstd)
+        ctx.save_for_backward(*_fused_add_saved(x, residual, res_out, mode), weight, rstd)
         ctx.config = (mode, offset, casting_mode, backend)
-        if mode == "post":
-            return y, y.detach()  # residual_out is y; autograd sums both gradients below
-        return y, res_out
+        # "post": residual_out is y; a second output slot lets autograd hand its gradient to backward.
+        return y, (res_out if mode == "pre" else y.detach())
 
     @staticmethod
     def backward(ctx, dy, dres):
-        a, b, weight, rstd = ctx.saved_tensors
-        mode, offset, casting_mode, backend = ctx.config
-        s = a if mode == "pre" else a + b
-        if mode == "post" and dres is not None:
-            dy = dy + dres  # residual_out = y: its gradient flows into the norm too
-        ds, dw = _backward(dy, s, weight, rstd, offset, casting_mode, backend)
-        if mode == "pre" and dres is not None:
-            ds = ds + dres
+        ds, dw = _fused_add_backward(_backward, *ctx.saved_tensors, *ctx.config, dy, dres)
         return ds, ds, dw, None, None, None, None, None
+
+
+@torch.library.custom_op("tilegym_rms::fused_add_rms_norm_fwd", mutates_args=())
+def _fused_add_fwd_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    mode: str,
+    offset: float,
+    casting_mode: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, res_out, rstd = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend)
+    # A custom op cannot return an alias of another output: in "post" mode the caller returns y twice.
+    return y, (res_out if mode == "pre" else x.new_empty((0,))), rstd
+
+
+@_fused_add_fwd_op.register_fake
+def _(x, residual, weight, eps, mode, offset, casting_mode, backend):
+    rstd_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    res_out = torch.empty_like(x) if mode == "pre" else x.new_empty((0,))
+    return torch.empty_like(x), res_out, x.new_empty(x.shape[:-1], dtype=rstd_dtype)
+
+
+def _fused_op_setup_context(ctx, inputs, output):
+    x, residual, weight, _eps, mode, offset, casting_mode, backend = inputs
+    ctx.save_for_backward(*_fused_add_saved(x, residual, output[1], mode), weight, output[2])
+    ctx.config = (mode, offset, casting_mode, backend)
+
+
+def _bwd_op_with_optional_dw(dy, x, weight, rstd, offset, casting_mode, backend):
+    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, offset, casting_mode, backend)
+    return dx, (dw if weight is not None else None)
+
+
+def _fused_op_backward(ctx, dy, dres, _drstd):
+    a, b, weight, rstd = ctx.saved_tensors
+    mode = ctx.config[0]
+    ds, dw = _fused_add_backward(
+        _bwd_op_with_optional_dw, a, b, weight, rstd, *ctx.config, dy, dres if mode == "pre" else None
+    )
+    return ds, ds, dw, None, None, None, None, None
+
+
+_fused_add_fwd_op.register_autograd(_fused_op_backward, setup_context=_fused_op_setup_context)
 
 
 def fused_add_rms_norm(
@@ -262,6 +318,9 @@ def fused_add_rms_norm(
     _checks.check_like("residual", residual, x)
     _checks.check_fused_mode(mode)
     name = resolve_backend(x.device, backend)
+    if torch.compiler.is_compiling():
+        y, res_out, _ = _fused_add_fwd_op(x, residual, weight, float(eps), mode, float(offset), casting_mode, name)
+        return y, (res_out if mode == "pre" else y)
     needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
     if torch.is_grad_enabled() and needs_grad:
         return FusedAddRMSNormFunction.apply(x, residual, weight, eps, mode, offset, casting_mode, name)
