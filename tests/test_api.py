@@ -173,3 +173,24 @@ def test_cutile_backward_kernels_are_marked_experimental():
         kernels.rms_norm_dw_reduce,
     ):
         assert experimental.is_experimental(k, "cuda")
+
+
+def test_cutile_launch_helper_detaches_and_warns_once(monkeypatch):
+    """The one launch helper: experimental warning once per kernel, tensors handed over detached."""
+    ct = pytest.importorskip("cuda.tile")
+    from tilegym_rms.cutile import kernels, launch
+
+    seen = []
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: seen.append((stream, grid, kernel, args)))
+    monkeypatch.setattr(launch, "_current_stream", lambda index: 1234 + index)
+    monkeypatch.delenv(experimental.SILENCE_ENV, raising=False)
+    experimental._reset_warnings()
+    x = torch.randn(4, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            launch.launch(kernels.rms_norm_dw_reduce, (3,), (x, 1.5, 16), 0)
+    assert len([w for w in caught if issubclass(w.category, tilegym_rms.ExperimentalKernelWarning)]) == 1
+    stream, grid, kernel, args = seen[0]
+    assert (stream, grid, kernel) == (1234, (3,), kernels.rms_norm_dw_reduce)
+    assert not args[0].requires_grad and args[0].data_ptr() == x.data_ptr() and args[1:] == (1.5, 16)

@@ -1,0 +1,151 @@
+"""Sweep the cuTile heuristics (``tilegym_rms/cutile/config.py``) on a GPU.
+
+Each ``--set NAME=v1,v2`` names a constant of the config module; every combination of the values is
+applied in turn (the host-side config caches are cleared between combinations) and the op is timed
+with CUDA events over inputs rotating through more than 4x the L2 cache. ``--breakdown`` also prints
+the per-kernel device time of the first combination (torch.profiler), to see e.g. how much of a
+backward the dw reduction takes. Prints one table; the winners go into ``config.py`` with a note in
+``bench/NOTES.md``.
+
+    python bench/tune_cutile.py --op backward --shapes 4096x2048,32768x2048 --set BLOCKS_PER_SM=1,2 --breakdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+
+try:
+    from . import common
+except ImportError:
+    import common
+
+OPS = ("forward", "backward")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",")]
+
+
+def parse_set(text: str) -> tuple[str, list[int]]:
+    name, _, values = text.partition("=")
+    if not values:
+        raise argparse.ArgumentTypeError(f"--set takes NAME=v1,v2,..., got {text!r}")
+    return name.strip(), [int(v) for v in values.split(",")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tune_cutile.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--op", choices=OPS, default="backward")
+    parser.add_argument("--dtype", type=common.parse_dtype, default="bf16", help="bf16, fp16 or fp32")
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("4096x4096,32768x4096"), help="MxN,...")
+    parser.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], help="NAME=v1,v2")
+    parser.add_argument("--reps", type=int, default=10, help="timed passes over the rotating inputs (median)")
+    parser.add_argument("--breakdown", action="store_true", help="per-kernel device time of the first setting")
+    return parser
+
+
+def _clear_caches(cutile) -> None:
+    for fn in (cutile._forward_config, cutile._backward_config, cutile._reduce_config):
+        fn.cache_clear()
+
+
+def _inputs(op: str, m: int, n: int, dtype: torch.dtype, device: torch.device):
+    per_set = m * n * dtype.itemsize * (2 if op == "forward" else 3)
+    count, _ = common.rotation_sets(per_set, common.l2_bytes(device))
+    sets = []
+    for _ in range(count):
+        x = torch.randn(m, n, dtype=dtype, device=device)
+        sets.append((x, torch.randn_like(x), torch.rand(m, device=device) + 0.5))
+    return sets, common.op_bytes(op, m, n, dtype.itemsize)
+
+
+def _call(cutile, op, w):
+    if op == "forward":
+        return lambda s: cutile.forward(s[0], w, 1e-6, 0.0, "llama")
+    return lambda s: cutile.backward(s[1], s[0], w, s[2], 0.0, "llama")
+
+
+def _time_us(fn, sets, reps: int) -> float:
+    for s in sets[:2]:
+        fn(s)  # compile and warm up
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for s in sets:
+            fn(s)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(sets))
+    return common.summarize(times)[0]
+
+
+def _breakdown(fn, sets) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for s in sets:
+            fn(s)
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages():
+        total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if total:
+            rows.append(f"    {evt.key[:70]:<70} {total / len(sets):9.1f} us/call")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_cutile.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    common.ensure_repo_on_path()
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile import config
+
+    for name, _ in args.sets:
+        if not hasattr(config, name):
+            print(f"config has no constant {name!r}", file=sys.stderr)
+            return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    dtype = common.DTYPES[args.dtype]
+    buffers = [torch.empty(1 << 30, dtype=torch.uint8, device=device) for _ in range(2)]
+    copy_bw = common.gbps(2 << 30, _time_us(lambda pair: pair[0].copy_(pair[1]), [buffers], 5))
+    del buffers
+    print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {copy_bw:.0f} GB/s; {args.op} {args.dtype}")
+    names = [name for name, _ in args.sets]
+    original = {name: getattr(config, name) for name in names}
+    combos = list(itertools.product(*[values for _, values in args.sets])) or [()]
+    for m, n in args.shapes:
+        sets, nbytes = _inputs(args.op, m, n, dtype, device)
+        w = torch.randn(n, dtype=dtype, device=device)
+        fn = _call(cutile, args.op, w)
+        for i, combo in enumerate(combos):
+            for name, value in zip(names, combo, strict=True):
+                setattr(config, name, value)
+            _clear_caches(cutile)
+            try:
+                us = _time_us(fn, sets, args.reps)
+                setting = ", ".join(f"{k}={v}" for k, v in zip(names, combo, strict=True)) or "defaults"
+                gb = common.gbps(nbytes, us)
+                print(f"  {m:>6} x {n:<6} {setting:<50} {us:9.1f} us {gb:6.0f} GB/s ({100 * gb / copy_bw:.0f}%)")
+                if args.breakdown and i == 0:
+                    print(_breakdown(fn, sets))
+            except Exception as exc:  # noqa: BLE001 - a setting that does not compile is a result too
+                print(f"  {m:>6} x {n:<6} {combo}: {common.short_error(exc)}")
+            finally:
+                for name, value in original.items():
+                    setattr(config, name, value)
+                _clear_caches(cutile)
+        del sets
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
