@@ -22,6 +22,7 @@ import torch
 from tilegym_rms.ascend import config
 from tilegym_rms.ascend import launch as _launch
 from tilegym_rms.ascend.config import choose_path, plan
+from tilegym_rms.reference import CASTING_MODES, FUSED_ADD_MODES
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -35,8 +36,6 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_CASTING_MODES = ("llama", "gemma", "none")
-_FUSED_ADD_MODES = ("pre", "post")
 _NPU_INSTALL_HINT = "torch_npu / triton-ascend not installed: pip install torch-npu triton-ascend"
 
 
@@ -100,8 +99,8 @@ def _check(x, weight, casting_mode) -> None:
         raise ValueError(f"x must be 2-D with unit column stride, got shape {tuple(x.shape)} strides {x.stride()}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x dtype must be one of {SUPPORTED_DTYPES}, got {x.dtype}")
-    if casting_mode not in _CASTING_MODES:
-        raise ValueError(f"casting_mode must be one of {_CASTING_MODES}, got {casting_mode!r}")
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"casting_mode must be one of {CASTING_MODES}, got {casting_mode!r}")
     if weight is not None and (weight.shape != (x.shape[1],) or not weight.is_contiguous()):
         raise ValueError(f"weight must be a contiguous ({x.shape[1]},) tensor, got shape {tuple(weight.shape)}")
 
@@ -178,8 +177,8 @@ def fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, *, s
     ``mode="pre"``: ``residual_out = S``. ``mode="post"``: ``residual_out`` is ``y`` itself and ``S``
     is never written to memory.
     """
-    if mode not in _FUSED_ADD_MODES:
-        raise ValueError(f"mode must be one of {_FUSED_ADD_MODES}, got {mode!r}")
+    if mode not in FUSED_ADD_MODES:
+        raise ValueError(f"mode must be one of {FUSED_ADD_MODES}, got {mode!r}")
     if residual.shape != x.shape or residual.stride(1) != 1:
         raise ValueError("residual must have x's shape and unit column stride")
     if residual.dtype != x.dtype:
