@@ -194,3 +194,10 @@ def test_cutile_launch_helper_detaches_and_warns_once(monkeypatch):
     stream, grid, kernel, args = seen[0]
     assert (stream, grid, kernel) == (1234, (3,), kernels.rms_norm_dw_reduce)
     assert not args[0].requires_grad and args[0].data_ptr() == x.data_ptr() and args[1:] == (1.5, 16)
+
+
+def test_module_rejects_offset_without_weight():
+    with pytest.raises(ValueError, match="elementwise_affine=True"):
+        tilegym_rms.RMSNorm(8, elementwise_affine=False, offset=1.0)
+    y = tilegym_rms.RMSNorm(8, elementwise_affine=False)(torch.randn(2, 8))
+    assert y.shape == (2, 8)

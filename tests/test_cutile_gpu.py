@@ -79,8 +79,12 @@ def _check(m, n, dtype, *, weight=True, offset=0.0, casting_mode="llama", mode=N
 
 
 @pytest.fixture(autouse=True)
-def _quiet_experimental(monkeypatch):
+def _quiet_experimental_and_release_memory(monkeypatch):
     monkeypatch.setenv("TILEGYM_RMS_SILENCE_EXPERIMENTAL", "1")
+    yield
+    # Under pytest-xdist several workers share the GPU: hand cached blocks back after each test, or the
+    # largest shapes (8 GB per tensor) run out of memory beside another worker's cache.
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -30,6 +30,8 @@ class RMSNorm(torch.nn.RMSNorm):
         casting_mode="llama",
         backend=None,
     ):
+        if offset != 0 and not elementwise_affine:
+            raise ValueError("offset is added to the weight: it needs elementwise_affine=True")
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, device=device, dtype=dtype)
         self.offset = offset
         self.casting_mode = casting_mode
