@@ -74,18 +74,8 @@ exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="bench_rmsnorm.py",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--mode",
-        type=common.csv_list(common.choice_list(MODES)),
-        default=None,
-        help=f"comma list among {','.join(MODES)} (default all; with --quick: {','.join(QUICK_DEFAULT_MODES)})",
-    )
+    mode_help = f"comma list among {','.join(MODES)} (default all; with --quick: {','.join(QUICK_DEFAULT_MODES)})"
+    parser = common.script_parser("bench_rmsnorm.py", DESCRIPTION, EPILOG, MODES, None, mode_help)
     parser.add_argument(
         "--latency-calls",
         type=int,
@@ -164,18 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.latency_calls is None:
         args.latency_calls = 30 if args.quick else LATENCY_CALLS
     steps = plan(args)
-    if args.dry_run:
-        common.print_dry_run([(op, suite, configs) for _, op, suite, configs in steps], args)
-        return 0
-    code = common.check_environment()
-    if code is not None:
-        return code
-
-    session = common.Session(args, KERNEL_NAME, JSON_NAME)
-    session.start()
-    if not session.providers:
-        print("no provider can run; nothing to do", file=sys.stderr)
-        return 2
+    dry_run_plan = [(op, suite, configs) for _, op, suite, configs in steps]
+    session = common.start_session(args, dry_run_plan, KERNEL_NAME, JSON_NAME)
+    if isinstance(session, int):
+        return session
     done_modes: list[str] = []
     for i, (mode, op, suite, configs) in enumerate(steps):
         if session.aborted:

@@ -52,18 +52,8 @@ exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="bench_rmsnorm_backward.py",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--mode",
-        type=common.csv_list(common.choice_list(MODES)),
-        default=list(MODES),
-        help=f"comma list among {','.join(MODES)} (default both)",
-    )
+    mode_help = f"comma list among {','.join(MODES)} (default both)"
+    parser = common.script_parser("bench_rmsnorm_backward.py", DESCRIPTION, EPILOG, MODES, list(MODES), mode_help)
     common.add_common_args(parser)
     return parser
 
@@ -146,18 +136,9 @@ def workspace_records(session: common.Session) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     args = common.finish_args(build_parser().parse_args(argv))
     configs = common.grid_configs(args.dtype, args.M, args.N)
-    if args.dry_run:
-        common.print_dry_run([(op, "grid", configs) for op in args.mode], args)
-        return 0
-    code = common.check_environment()
-    if code is not None:
-        return code
-
-    session = common.Session(args, KERNEL_NAME, JSON_NAME)
-    session.start()
-    if not session.providers:
-        print("no provider can run; nothing to do", file=sys.stderr)
-        return 2
+    session = common.start_session(args, [(op, "grid", configs) for op in args.mode], KERNEL_NAME, JSON_NAME)
+    if isinstance(session, int):
+        return session
     label = common.grid_label("grid")
     for op in args.mode:
         if session.aborted:

@@ -120,6 +120,15 @@ def choice_list(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+def script_parser(prog: str, description: str, epilog: str, modes: tuple[str, ...], default, mode_help: str):
+    """The argument parser both scripts start from: their help text, ``--mode`` over ``modes``."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mode", type=csv_list(choice_list(modes)), default=default, help=mode_help)
+    return parser
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("common options")
     g.add_argument(
@@ -1365,6 +1374,23 @@ def grid_label(suite: str) -> Callable[[str, int, int], tuple[str, str, object, 
         return "N", "hidden size N", n, {"M": m, "dtype": dtype_name, "suite": suite}
 
     return label
+
+
+def start_session(args, dry_run_plan, kernel_name: str, json_name: str):
+    """What both scripts do before measuring: the dry run, the GPU check, provider discovery.
+    Returns a started :class:`Session`, or the exit code to return."""
+    if args.dry_run:
+        print_dry_run(dry_run_plan, args)
+        return 0
+    code = check_environment()
+    if code is not None:
+        return code
+    session = Session(args, kernel_name, json_name)
+    session.start()
+    if not session.providers:
+        print("no provider can run; nothing to do", file=sys.stderr)
+        return 2
+    return session
 
 
 def check_environment() -> int | None:
