@@ -133,8 +133,9 @@ def rms_norm_fwd_persistent(
 # ----------------------------------------------------------------------------------------------
 
 
-def _load_rstd(rstd, t, TILE_M):
-    return ct.reshape(ct.load(rstd, (t,), (TILE_M,), padding_mode=_ZERO), (TILE_M, 1))
+def _load_row_values(values, t, TILE_M):
+    """One value per row (rstd, row dot) of row tile ``t``, as a ``(TILE_M, 1)`` column."""
+    return ct.reshape(ct.load(values, (t,), (TILE_M,), padding_mode=_ZERO), (TILE_M, 1))
 
 
 @experimental_kernel
@@ -148,7 +149,7 @@ def rms_norm_bwd_persistent(
     wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
     dw_acc = ct.zeros((1, TILE_N), dtype=_F32)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
-        r = _load_rstd(rstd, t, TILE_M)
+        r = _load_row_values(rstd, t, TILE_M)
         xhat = _load_f32(x, (t, 0), (TILE_M, TILE_N), 10) * r
         dyf = _load_f32(dy, (t, 0), (TILE_M, TILE_N), 10)
         g = dyf * wt
@@ -168,7 +169,7 @@ def rms_norm_bwd_row_dot(
     """Wide rows, step 1 of 2: ``row_dot[m] = mean(x^ * w~ * dy)`` over column chunks."""
     n = x.shape[1]
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
-        r = _load_rstd(rstd, t, TILE_M)
+        r = _load_row_values(rstd, t, TILE_M)
         acc = ct.zeros((TILE_M, TILE_N), dtype=_F32)
         for j in range(ct.cdiv(n, TILE_N)):
             wt = _effective_weight(w, j, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
@@ -197,10 +198,10 @@ def rms_norm_bwd_column_chunk(
     wt = _effective_weight(w, j, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
     dw_acc = ct.zeros((1, TILE_N), dtype=_F32)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
-        r = _load_rstd(rstd, t, TILE_M)
+        r = _load_row_values(rstd, t, TILE_M)
         xhat = _load_f32(x, (t, j), (TILE_M, TILE_N), 10) * r
         dyf = _load_f32(dy, (t, j), (TILE_M, TILE_N), 10)
-        c = ct.reshape(ct.load(row_dot, (t,), (TILE_M,), padding_mode=_ZERO), (TILE_M, 1))
+        c = _load_row_values(row_dot, t, TILE_M)
         ct.store(dx, (t, j), ct.astype((dyf * wt - xhat * c) * r, dx.dtype), allow_tma=False, latency=3)
         if HAS_W:
             dw_acc = dw_acc + ct.sum(dyf * xhat, axis=0, keepdims=True)
