@@ -53,3 +53,12 @@ def test_tiles_do_not_depend_on_m_within_a_bucket():
     a = config.forward_config(5000, 4096, torch.bfloat16, SMS)
     b = config.forward_config(config.m_bucket(5000), 4096, torch.bfloat16, SMS)
     assert (a.mode, a.tile_m, a.tile_n) == (b.mode, b.tile_m, b.tile_n)
+
+
+@pytest.mark.parametrize("n", [1, 64, 1000, 2048, 4096, 8192, 16384, 32768, 65536, 262144])
+def test_reduce_config_fills_the_sms_and_covers_n(n):
+    red = config.reduce_config(n, SMS)
+    assert config.REDUCE_MIN_TILE_N <= red.tile_n <= config.REDUCE_MAX_TILE_N
+    assert red.grid * red.tile_n >= n and red.tile_g * red.tile_n == config.REDUCE_TILE_ELEMS
+    if n >= SMS * config.REDUCE_MIN_TILE_N:
+        assert red.grid >= SMS  # at least one block per SM whenever N allows it

@@ -98,10 +98,14 @@ def variants() -> list[Variant]:
                             b.tile_n,
                             has_w,
                         )
-    for n in REPRESENTATIVE_N:
-        red = config.reduce_config(n, REFERENCE_SMS)
+    # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
+    tile_n = config.REDUCE_MIN_TILE_N
+    while tile_n <= config.REDUCE_MAX_TILE_N:
+        red = config.reduce_config(tile_n * REFERENCE_SMS, REFERENCE_SMS)
+        assert red.tile_n == tile_n
         for dtype in DTYPES:
             add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)
+        tile_n *= 2
     return list(found)
 
 
