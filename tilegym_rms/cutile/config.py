@@ -35,10 +35,11 @@ BLOCKS_PER_SM = 2
 GATHER_MAX_ROWS_PER_SM = 2
 # Final dw reduction: each block owns a strip of columns and sums all partial rows. The strip is
 # narrow enough that there are at least as many blocks as SMs: with 256-column strips a 2048-wide dw
-# had 8 blocks walking 264 partial rows one after another, and the reduction, not the backward
-# kernel, set the time of small shapes. Each step loads about REDUCE_TILE_ELEMS fp32 values.
+# had 8 blocks walking 264 partial rows one after another. 32 fp32 columns are one 128-byte line per
+# row, already a full memory transaction; wider strips would only cut the number of blocks. Each step
+# loads about REDUCE_TILE_ELEMS fp32 values.
 REDUCE_MIN_TILE_N = 16
-REDUCE_MAX_TILE_N = 256
+REDUCE_MAX_TILE_N = 32
 REDUCE_TILE_ELEMS = 4096
 
 
