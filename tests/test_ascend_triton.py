@@ -167,7 +167,7 @@ def test_choose_path(ub, M, N, op, ub_bytes, expected, dtype):
     else:
         assert p.block_n >= N
     if expected == "block":
-        assert p.block_m <= min(config.BLOCK_M_CAP, config.next_power_of_2(M))
+        assert p.block_m <= min(config.BLOCK_M_CAP, config.next_pow2(M))
     if expected == "block_row":
         assert 1 < p.block_m <= config.BLOCK_ROW_CAP
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from . import reference
+from ._checks import KERNEL_DTYPES
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+SUPPORTED_DTYPES = (*KERNEL_DTYPES, torch.float64)
 
 
 def available(device: torch.device) -> tuple[bool, str]:

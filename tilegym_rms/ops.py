@@ -16,9 +16,6 @@ import torch
 from . import _checks
 from .dispatch import backend_module, resolve_backend
 
-_KERNEL_DTYPES = _checks.KERNEL_DTYPES
-
-
 # ----------------------------------------------------------------------------------------------
 # Shape plumbing shared by every path: N-D tensors <-> the 2-D row views the backends take
 # ----------------------------------------------------------------------------------------------
@@ -36,7 +33,7 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def _backend(x: torch.Tensor, name: str):
     module = backend_module(name)
-    _checks.check_dtype_for_backend(x, name, getattr(module, "SUPPORTED_DTYPES", _KERNEL_DTYPES))
+    _checks.check_dtype_for_backend(x, name, module.SUPPORTED_DTYPES)
     return module
 
 

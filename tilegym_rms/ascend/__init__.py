@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from tilegym_rms._checks import KERNEL_DTYPES
 from tilegym_rms.ascend import config
 from tilegym_rms.ascend import launch as _launch
 from tilegym_rms.ascend.config import choose_path, plan
@@ -35,7 +36,7 @@ __all__ = [
     "plan",
 ]
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = KERNEL_DTYPES
 _NPU_INSTALL_HINT = "torch_npu / triton-ascend not installed: pip install torch-npu triton-ascend"
 
 
@@ -112,9 +113,9 @@ def _schedule(p, device) -> tuple[int, int]:
     the grid is then trimmed so that no program's slab is empty.
     """
     grid = config.grid_size(p.num_tasks, device)
-    tasks_per_program = -(-p.num_tasks // grid)
+    tasks_per_program = config.cdiv(p.num_tasks, grid)
     if p.path == "block_row":
-        grid = -(-p.num_tasks // tasks_per_program)
+        grid = config.cdiv(p.num_tasks, tasks_per_program)
     return grid, tasks_per_program
 
 
@@ -275,9 +276,9 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
         return dx, None
     dw = torch.empty((N,), dtype=weight.dtype, device=x.device)
     P = grid
-    block_p = min(config.REDUCE_BLOCK_P, config.next_power_of_2(P))
+    block_p = min(config.REDUCE_BLOCK_P, config.next_pow2(P))
     block_n = config.reduce_block_n(N)
-    reduce_grid = config.grid_size(-(-N // block_n), x.device)
+    reduce_grid = config.grid_size(config.cdiv(N, block_n), x.device)
     _launch.launch(
         k.rms_norm_dw_reduce_kernel,
         (reduce_grid,),

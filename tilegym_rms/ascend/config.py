@@ -18,6 +18,8 @@ import functools
 import os
 from dataclasses import dataclass
 
+from .._tiling import cdiv, next_pow2, prev_pow2
+
 # --- Unified Buffer budget ---------------------------------------------------------------------
 UB_BYTES_ENV = "TILEGYM_RMS_UB_BYTES"
 DEFAULT_UB_BYTES = 192 * 1024  # Atlas A2 vector core
@@ -45,16 +47,6 @@ PATHS = ("block", "block_row", "partitioned")
 OPS = tuple(LIVE_TILES)
 
 
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= ``n`` (1 for n <= 1)."""
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def prev_power_of_2(n: int) -> int:
-    """Largest power of two <= ``n`` (1 for n <= 1)."""
-    return 1 if n <= 1 else 1 << (int(n).bit_length() - 1)
-
-
 def ub_bytes() -> int:
     """The Unified Buffer size to plan for: ``TILEGYM_RMS_UB_BYTES`` if set, else 192 KB."""
     value = os.environ.get(UB_BYTES_ENV, "").strip()
@@ -75,7 +67,7 @@ def max_tile_elems(op: str) -> int:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     usable = int(ub_bytes() * UB_SAFETY_FRACTION) // UB_DOUBLE_BUFFER_DIVISOR
     elems = usable // (LIVE_TILES[op] * FP32_BYTES)
-    return max(MIN_TILE_ELEMS, prev_power_of_2(elems))
+    return max(MIN_TILE_ELEMS, prev_pow2(elems))
 
 
 def choose_path(M: int, N: int, dtype=None, op: str = "forward") -> str:
@@ -90,7 +82,7 @@ def choose_path(M: int, N: int, dtype=None, op: str = "forward") -> str:
     decision today.
     """
     del dtype
-    if next_power_of_2(N) > max_tile_elems(op):
+    if next_pow2(N) > max_tile_elems(op):
         return "partitioned"
     if N <= BLOCK_ROW_MAX_N and M >= BLOCK_ROW_MIN_M:
         return "block_row"
@@ -123,22 +115,22 @@ def plan(M: int, N: int, dtype=None, op: str = "forward", path: str | None = Non
         path = choose_path(M, N, dtype, op)
     elif path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    elif path != "partitioned" and next_power_of_2(N) > budget:
+    elif path != "partitioned" and next_pow2(N) > budget:
         raise ValueError(f"path {path!r} needs a whole row in one tile; N={N} exceeds the {budget}-element budget")
     if path == "partitioned":
-        block_m, block_n = 1, min(budget, next_power_of_2(N))
+        block_m, block_n = 1, min(budget, next_pow2(N))
     else:
-        block_n = next_power_of_2(N)
-        rows = prev_power_of_2(budget // block_n)
-        cap = BLOCK_ROW_CAP if path == "block_row" else min(BLOCK_M_CAP, next_power_of_2(M))
+        block_n = next_pow2(N)
+        rows = prev_pow2(budget // block_n)
+        cap = BLOCK_ROW_CAP if path == "block_row" else min(BLOCK_M_CAP, next_pow2(M))
         block_m = max(1, min(rows, cap))
-    num_tasks = -(-M // block_m)
+    num_tasks = cdiv(M, block_m)
     return Plan(path, block_m, block_n, num_tasks, M % block_m == 0, N % block_n == 0)
 
 
 def reduce_block_n(N: int) -> int:
     """Columns per task of the dw reduction kernel."""
-    return min(REDUCE_BLOCK_N_CAP, next_power_of_2(N))
+    return min(REDUCE_BLOCK_N_CAP, next_pow2(N))
 
 
 def interpreter_enabled() -> bool:

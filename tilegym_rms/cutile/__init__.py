@@ -10,12 +10,13 @@ import functools
 
 import torch
 
+from .._checks import KERNEL_DTYPES
 from . import config
 
 # Compute capabilities that tileiras targets: 8.x, 9.0, 10.x and 12.x.
 SUPPORTED_CC_MAJORS = (8, 10, 12)
 SUPPORTED_CC_EXACT = ((9, 0),)
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = KERNEL_DTYPES
 
 
 @functools.cache
@@ -51,11 +52,11 @@ def available(device: torch.device) -> tuple[bool, str]:
         return False, f"cuTile runs on CUDA devices, not {device.type}"
     if not torch.cuda.is_available():
         return False, "no CUDA GPU is available"
-    return _device_status(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_status(_device_index(device))
 
 
-def _device_index(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -82,7 +83,7 @@ def _reduce_config(device_index, n):
 def forward_config(x: torch.Tensor, mode: str | None = None, device_index: int | None = None) -> config.ForwardConfig:
     """The forward configuration the dispatcher picks for ``x`` (M, N); tests assert on it."""
     m, n = x.shape
-    device_index = _device_index(x) if device_index is None else device_index
+    device_index = _device_index(x.device) if device_index is None else device_index
     cfg = _forward_config(device_index, config.m_bucket(m), n, x.dtype, mode)
     # Tiles come from the bucket; the grid must follow the real M (no block without a tile).
     if cfg.mode == "gather":
@@ -106,7 +107,7 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m == 0:
         return y, rstd
-    dev = _device_index(x)
+    dev = _device_index(x.device)
     cfg = forward_config(x, mode, dev)
     cast = CAST_CODES[casting_mode]
     w = _weight_arg(weight, x)
@@ -120,17 +121,9 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None)
     return y, rstd
 
 
-def backward_config(x: torch.Tensor) -> config.BackwardConfig:
-    m, n = x.shape
-    return _backward_config(_device_index(x), m, n, x.dtype)
-
-
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes of the fp32 dw partial buffer (grid x N x 4) the backward allocates."""
-    from .launch import num_sms
-
-    cfg = config.backward_config(m, n, dtype, num_sms(device.index if device.index is not None else 0))
-    return cfg.grid * n * 4
+    return _backward_config(_device_index(device), m, n, dtype).grid * n * 4
 
 
 def backward(dy, x, weight, rstd, offset, casting_mode):
@@ -149,7 +142,7 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     has_w = weight is not None
     if m == 0:
         return dx, (torch.zeros_like(weight) if has_w else None)
-    dev = _device_index(x)
+    dev = _device_index(x.device)
     cfg = _backward_config(dev, m, n, x.dtype)
     w = _weight_arg(weight, x)
     # A dummy keeps the signature when there is no weight (nothing is written to it then).

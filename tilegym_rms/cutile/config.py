@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._tiling import cdiv, next_pow2, prev_pow2
+
 FORWARD_MODES = ("gather", "persistent")
 
 # Widest row kept in registers as one tile; wider rows take the column-chunked kernels. Measured on
@@ -41,14 +43,6 @@ GATHER_MAX_ROWS_PER_SM = 2
 REDUCE_MIN_TILE_N = 16
 REDUCE_MAX_TILE_N = 32
 REDUCE_TILE_ELEMS = 4096
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def m_bucket(m: int) -> int:
@@ -117,10 +111,6 @@ class ReduceConfig:
     tile_g: int  # partial rows per step
     tile_n: int  # columns per block
     grid: int
-
-
-def prev_pow2(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
 
 
 def reduce_config(n: int, num_sms: int) -> ReduceConfig:
