@@ -1,13 +1,16 @@
 """Sweep the cuTile heuristics (``tilegym_rms/cutile/config.py``) on a GPU.
 
-Each ``--set NAME=v1,v2`` names a constant of the config module; every combination of the values is
-applied in turn (the host-side config caches are cleared between combinations) and the op is timed
-with CUDA events over inputs rotating through more than 4x the L2 cache. ``--breakdown`` also prints
-the per-kernel device time of the first combination (torch.profiler), to see e.g. how much of a
+Each ``--set NAME=v1,v2`` names a constant of the config module; each ``--hint NAME=v1,v2`` a cuTile
+compiler hint (``occupancy``, ``num_worker_warps``; 0 leaves it to the compiler) given to every kernel of the op through
+``kernel.replace_hints``. Every combination of the values is applied in turn (the host-side config
+caches are cleared between combinations) and the op is timed as the sum of its kernels' device time
+(torch.profiler, as the benchmarks do) over inputs rotating through more than 4x the L2 cache.
+``--breakdown`` also prints the per-kernel device time of each combination, to see e.g. how much of a
 backward the dw reduction takes. Prints one table; the winners go into ``config.py`` with a note in
 ``bench/NOTES.md``.
 
-    python bench/tune_cutile.py --op backward --shapes 4096x2048,32768x2048 --set BLOCKS_PER_SM=1,2 --breakdown
+    python bench/tune_cutile.py --op backward --shapes 4096x2048,32768x2048 --set BWD_BLOCKS_PER_SM=1,2 --breakdown
+    python bench/tune_cutile.py --op forward --shapes 4096x1024 --set FWD_BLOCKS_PER_SM=2,4 --set FWD_OCCUPANCY=0,4
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", type=common.parse_dtype, default="bf16", help="bf16, fp16 or fp32")
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("4096x4096,32768x4096"), help="MxN,...")
     parser.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], help="NAME=v1,v2")
+    parser.add_argument("--hint", dest="hints", type=parse_set, action="append", default=[], help="NAME=v1,v2")
     parser.add_argument("--reps", type=int, default=10, help="timed passes over the rotating inputs (median)")
-    parser.add_argument("--breakdown", action="store_true", help="per-kernel device time of the first setting")
+    parser.add_argument("--breakdown", action="store_true", help="per-kernel device time of each setting")
     return parser
 
 
@@ -69,20 +73,16 @@ def _call(cutile, op, w):
     return lambda s: cutile.backward(s[1], s[0], w, s[2], 0.0, "llama")
 
 
-def _time_us(fn, sets, reps: int) -> float:
+def _time_us(timer: common.Timer, fn, sets, reps: int) -> float:
     for s in sets[:2]:
         fn(s)  # compile and warm up
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def run_pass():
         for s in sets:
             fn(s)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(sets))
-    return common.summarize(times)[0]
+
+    return common.summarize(timer.time_reps(run_pass, reps, len(sets)).us)[0]
 
 
 def _breakdown(fn, sets) -> str:
@@ -100,6 +100,27 @@ def _breakdown(fn, sets) -> str:
     return "\n".join(rows)
 
 
+KERNEL_NAMES = (
+    "rms_norm_fwd_gather",
+    "rms_norm_fwd_persistent",
+    "rms_norm_bwd_persistent",
+    "rms_norm_bwd_row_dot",
+    "rms_norm_bwd_column_chunk",
+    "rms_norm_dw_reduce",
+)
+
+
+def _apply(config, kernels, original_kernels, names, hint_names, combo) -> str:
+    """Sets the config constants and kernel hints of one combination; returns its description."""
+    values = dict(zip(names + hint_names, combo, strict=True))
+    for name in names:
+        setattr(config, name, values[name])
+    hints = {name: values[name] or None for name in hint_names}  # 0: the compiler's own choice
+    for kname, kernel in original_kernels.items():
+        setattr(kernels, kname, kernel.replace_hints(**hints) if hints else kernel)
+    return ", ".join(f"{k}={v}" for k, v in values.items()) or "defaults"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
@@ -107,7 +128,7 @@ def main(argv=None) -> int:
         return 2
     common.ensure_repo_on_path()
     import tilegym_rms.cutile as cutile
-    from tilegym_rms.cutile import config
+    from tilegym_rms.cutile import config, kernels
 
     for name, _ in args.sets:
         if not hasattr(config, name):
@@ -115,34 +136,41 @@ def main(argv=None) -> int:
             return 2
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = common.DTYPES[args.dtype]
+    timer = common.Timer(device, "profiler")
+    print(timer.calibrate())
     buffers = [torch.empty(1 << 30, dtype=torch.uint8, device=device) for _ in range(2)]
-    copy_bw = common.gbps(2 << 30, _time_us(lambda pair: pair[0].copy_(pair[1]), [buffers], 5))
+    copy_bw = common.gbps(2 << 30, _time_us(timer, lambda pair: pair[0].copy_(pair[1]), [buffers], 5))
     del buffers
     print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {copy_bw:.0f} GB/s; {args.op} {args.dtype}")
     names = [name for name, _ in args.sets]
+    hint_names = [name for name, _ in args.hints]
     original = {name: getattr(config, name) for name in names}
-    combos = list(itertools.product(*[values for _, values in args.sets])) or [()]
+    # The host module looks the kernels up in ``kernels`` at every call, so hinted copies swapped in
+    # there are what it launches.
+    original_kernels = {name: getattr(kernels, name) for name in KERNEL_NAMES}
+    combos = list(itertools.product(*[values for _, values in args.sets + args.hints])) or [()]
     for m, n in args.shapes:
         sets, nbytes = _inputs(args.op, m, n, dtype, device)
         w = torch.randn(n, dtype=dtype, device=device)
         fn = _call(cutile, args.op, w)
-        for i, combo in enumerate(combos):
-            for name, value in zip(names, combo, strict=True):
-                setattr(config, name, value)
+        for combo in combos:
+            setting = _apply(config, kernels, original_kernels, names, hint_names, combo)
             _clear_caches(cutile)
             try:
-                us = _time_us(fn, sets, args.reps)
-                setting = ", ".join(f"{k}={v}" for k, v in zip(names, combo, strict=True)) or "defaults"
+                us = _time_us(timer, fn, sets, args.reps)
                 gb = common.gbps(nbytes, us)
                 print(f"  {m:>6} x {n:<6} {setting:<50} {us:9.1f} us {gb:6.0f} GB/s ({100 * gb / copy_bw:.0f}%)")
-                if args.breakdown and i == 0:
+                if args.breakdown:
                     print(_breakdown(fn, sets))
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile is a result too
-                print(f"  {m:>6} x {n:<6} {combo}: {common.short_error(exc)}")
+                print(f"  {m:>6} x {n:<6} {setting}: {common.short_error(exc)}")
             finally:
                 for name, value in original.items():
                     setattr(config, name, value)
+                for kname, kernel in original_kernels.items():
+                    setattr(kernels, kname, kernel)
                 _clear_caches(cutile)
+            sys.stdout.flush()
         del sets
     return 0
 

@@ -14,7 +14,7 @@ def test_forward_config_invariants(m, n):
     cfg = config.forward_config(m, n, torch.bfloat16, SMS)
     assert cfg.tile_n & (cfg.tile_n - 1) == 0 and cfg.tile_m & (cfg.tile_m - 1) == 0
     if cfg.mode == "persistent":
-        assert cfg.tile_n >= n and 1 <= cfg.grid <= SMS * config.BLOCKS_PER_SM
+        assert cfg.tile_n >= n and 1 <= cfg.grid <= SMS * config.FWD_BLOCKS_PER_SM
         assert cfg.grid <= config.cdiv(m, cfg.tile_m)
     else:
         assert cfg.grid == m and cfg.single_tile == (cfg.tile_n >= n)

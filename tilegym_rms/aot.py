@@ -33,6 +33,7 @@ REFERENCE_SMS = 132
 class Variant:
     kernel_name: str
     params: tuple  # per kernel parameter: ("array", dtype, ndim) | ("scalar",) | a constant value
+    occupancy: int | None = None  # compiler hint (see tilegym_rms.cutile.launch.with_occupancy)
 
     def describe(self) -> str:
         shown = []
@@ -41,7 +42,8 @@ class Variant:
                 shown.append(str(p[1]).replace("torch.", ""))
             elif not isinstance(p, tuple):
                 shown.append(str(p))
-        return f"{self.kernel_name}[{','.join(shown)}]"
+        occ = f" occ={self.occupancy}" if self.occupancy else ""
+        return f"{self.kernel_name}[{','.join(shown)}]{occ}"
 
 
 def _arr(dtype, ndim):
@@ -56,8 +58,8 @@ def variants() -> list[Variant]:
     """The distinct kernel variants reachable from the dispatcher over the representative grid."""
     found: dict[Variant, None] = {}
 
-    def add(name, *params):
-        found.setdefault(Variant(name, params), None)
+    def add(name, *params, occupancy=None):
+        found.setdefault(Variant(name, params, occupancy), None)
 
     for dtype in DTYPES:
         for n in REPRESENTATIVE_N:
@@ -76,14 +78,17 @@ def variants() -> list[Variant]:
                         if f.mode == "gather":
                             add("rms_norm_fwd_gather", *io_arrays, f.tile_n, cast, has_w, f.single_tile)
                         else:
-                            add("rms_norm_fwd_persistent", *io_arrays, f.tile_m, f.tile_n, cast, has_w)
+                            args = (*io_arrays, f.tile_m, f.tile_n, cast, has_w)
+                            add("rms_norm_fwd_persistent", *args, occupancy=f.occupancy)
                 b = config.backward_config(m, n, dtype, REFERENCE_SMS)
                 for has_w in (True, False):
                     x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
                     if b.mode == "fused":
-                        add("rms_norm_bwd_persistent", x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, has_w)
+                        args = (x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, has_w)
+                        add("rms_norm_bwd_persistent", *args, occupancy=b.occupancy)
                     else:
-                        add("rms_norm_bwd_row_dot", x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w)
+                        args = (x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w)
+                        add("rms_norm_bwd_row_dot", *args, occupancy=b.occupancy)
                         add(
                             "rms_norm_bwd_column_chunk",
                             x2,
@@ -97,6 +102,7 @@ def variants() -> list[Variant]:
                             b.tile_m,
                             b.tile_n,
                             has_w,
+                            occupancy=b.occupancy,
                         )
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
     tile_n = config.REDUCE_MIN_TILE_N
@@ -139,9 +145,11 @@ def compile_variant(v: Variant, arch: str) -> int:
     from cuda.tile.compilation import export_kernel
 
     from .cutile import kernels
+    from .cutile.launch import with_occupancy
 
     buf = io.BytesIO()
-    export_kernel(getattr(kernels, v.kernel_name), [_signature(v)], buf, gpu_code=arch, output_format="cubin")
+    kernel = with_occupancy(getattr(kernels, v.kernel_name), v.occupancy)
+    export_kernel(kernel, [_signature(v)], buf, gpu_code=arch, output_format="cubin")
     size = len(buf.getvalue())
     if size == 0:
         raise RuntimeError("empty cubin")

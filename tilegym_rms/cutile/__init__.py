@@ -6,6 +6,7 @@ last dim is dense. ``cuda.tile`` is imported lazily so that this package imports
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -86,9 +87,8 @@ def forward_config(x: torch.Tensor, mode: str | None = None, device_index: int |
     device_index = _device_index(x.device) if device_index is None else device_index
     cfg = _forward_config(device_index, config.m_bucket(m), n, x.dtype, mode)
     # Tiles come from the bucket; the grid must follow the real M (no block without a tile).
-    if cfg.mode == "gather":
-        return config.ForwardConfig(cfg.mode, cfg.tile_m, cfg.tile_n, cfg.single_tile, m)
-    return config.ForwardConfig(cfg.mode, cfg.tile_m, cfg.tile_n, True, min(cfg.grid, config.cdiv(m, cfg.tile_m)))
+    grid = m if cfg.mode == "gather" else min(cfg.grid, config.cdiv(m, cfg.tile_m))
+    return dataclasses.replace(cfg, grid=grid)
 
 
 def _weight_arg(weight, x):
@@ -117,7 +117,7 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None)
         launch(rms_norm_fwd_gather, (m,), args, dev)
     else:
         args = (x, w, y, rstd, float(eps), float(offset), cfg.tile_m, cfg.tile_n, cast, has_w)
-        launch(rms_norm_fwd_persistent, (cfg.grid,), args, dev)
+        launch(rms_norm_fwd_persistent, (cfg.grid,), args, dev, cfg.occupancy)
     return y, rstd
 
 
@@ -149,13 +149,14 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     dw_partial = torch.empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32, device=x.device)
     if cfg.mode == "fused":
         args = (dy, x, w, rstd, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(rms_norm_bwd_persistent, (cfg.grid,), args, dev)
+        launch(rms_norm_bwd_persistent, (cfg.grid,), args, dev, cfg.occupancy)
     else:
         row_dot = torch.empty((m,), dtype=torch.float32, device=x.device)
         args = (dy, x, w, rstd, row_dot, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(rms_norm_bwd_row_dot, (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),), args, dev)
+        grid = (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),)
+        launch(rms_norm_bwd_row_dot, grid, args, dev, cfg.occupancy)
         args = (dy, x, w, rstd, row_dot, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args, dev)
+        launch(rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args, dev, cfg.occupancy)
     if not has_w:
         return dx, None
     dw = torch.empty((n,), dtype=weight.dtype, device=x.device)

@@ -30,8 +30,13 @@ BWD_CHUNK_TILE_M = 4
 FWD_TILE_ELEMS = 16384
 BWD_TILE_ELEMS = 8192
 MAX_TILE_M = 16
-# Persistent grids launch this many blocks per SM (at most one per row tile).
-BLOCKS_PER_SM = 2
+# Persistent grids launch this many blocks per SM (at most one per row tile), and tell the compiler
+# through its ``occupancy`` hint that this many blocks share an SM (0: leave it to the compiler), so it
+# sizes registers to fit them.
+FWD_BLOCKS_PER_SM = 2
+FWD_OCCUPANCY = 0
+BWD_BLOCKS_PER_SM = 2
+BWD_OCCUPANCY = 0
 # The forward uses the gather kernel (one row per block) while M is at most this many waves of SMs:
 # with so few rows, a block per row spreads them widest.
 GATHER_MAX_ROWS_PER_SM = 2
@@ -57,6 +62,7 @@ class ForwardConfig:
     tile_n: int
     single_tile: bool  # gather only: the row fits one tile
     grid: int
+    occupancy: int | None = None  # compiler hint: blocks per SM the kernel is built for
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class BackwardConfig:
     tile_n: int
     grid: int  # row workers: rows of the dw partial buffer
     num_chunks: int  # column chunks (1 when fused); the chunked grid is (grid, num_chunks)
+    occupancy: int | None = None  # compiler hint: blocks per SM the kernels are built for
 
 
 def _tile_m(tile_n: int, target_elems: int) -> int:
@@ -90,7 +97,8 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
         return ForwardConfig("gather", 1, tile_n, fits, m)
     tile_n = next_pow2(n)
     tile_m = _tile_m(tile_n, FWD_TILE_ELEMS)
-    return ForwardConfig("persistent", tile_m, tile_n, True, min(num_sms * BLOCKS_PER_SM, cdiv(m, tile_m)))
+    grid = min(num_sms * FWD_BLOCKS_PER_SM, cdiv(m, tile_m))
+    return ForwardConfig("persistent", tile_m, tile_n, True, grid, FWD_OCCUPANCY or None)
 
 
 def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> BackwardConfig:
@@ -99,11 +107,12 @@ def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> Backwar
     if next_pow2(n) <= BWD_MAX_SINGLE_TILE_N:
         tile_n = next_pow2(n)
         tile_m = _tile_m(tile_n, BWD_TILE_ELEMS)
-        return BackwardConfig("fused", tile_m, tile_n, min(num_sms * BLOCKS_PER_SM, cdiv(m, tile_m)), 1)
+        grid = min(num_sms * BWD_BLOCKS_PER_SM, cdiv(m, tile_m))
+        return BackwardConfig("fused", tile_m, tile_n, grid, 1, BWD_OCCUPANCY or None)
     num_chunks = cdiv(n, BWD_CHUNK_N)
     # Enough row workers that (workers x chunks) fills the GPU, never more than there are row tiles.
-    grid = max(1, min(cdiv(num_sms * BLOCKS_PER_SM, num_chunks), cdiv(m, BWD_CHUNK_TILE_M)))
-    return BackwardConfig("chunked", BWD_CHUNK_TILE_M, BWD_CHUNK_N, grid, num_chunks)
+    grid = max(1, min(cdiv(num_sms * BWD_BLOCKS_PER_SM, num_chunks), cdiv(m, BWD_CHUNK_TILE_M)))
+    return BackwardConfig("chunked", BWD_CHUNK_TILE_M, BWD_CHUNK_N, grid, num_chunks, BWD_OCCUPANCY or None)
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,20 @@ def _stream_object(device_index: int):
 _current_stream = _raw_stream if hasattr(torch._C, "_cuda_getCurrentRawStream") else _stream_object
 
 
-def launch(kernel, grid: tuple[int, ...], args: tuple, device_index: int) -> None:
-    """Launches ``kernel`` on the current stream of CUDA device ``device_index``; warns once if the
-    kernel is experimental. Tensors are passed detached: cuTile exports them through DLPack, which
-    refuses tensors that require grad and would send every launch down a slow fallback."""
+@functools.cache
+def with_occupancy(kernel, occupancy: int | None):
+    """``kernel`` compiled for ``occupancy`` blocks per SM (a separate cuTile variant and JIT cache);
+    None: the compiler's own choice."""
+    return kernel if occupancy is None else kernel.replace_hints(occupancy=occupancy)
+
+
+def launch(kernel, grid: tuple[int, ...], args: tuple, device_index: int, occupancy: int | None = None) -> None:
+    """Launches ``kernel`` (with the ``occupancy`` hint, see :func:`with_occupancy`) on the current
+    stream of CUDA device ``device_index``; warns once if the kernel is experimental. Tensors are
+    passed detached: cuTile exports them through DLPack, which refuses tensors that require grad and
+    would send every launch down a slow fallback."""
     import cuda.tile as ct
 
     notify_launch(kernel, "cuda")
     args = tuple(a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
-    ct.launch(_current_stream(device_index), grid, kernel, args)
+    ct.launch(_current_stream(device_index), grid, with_occupancy(kernel, occupancy), args)

@@ -1,0 +1,141 @@
+"""Where the host time of one eager call goes (GPU machine): per-step microseconds and a cProfile.
+
+Latency at small M is host time: the kernels take a few microseconds, the Python around them more.
+This script times, per call and back to back (one sync per batch), the pieces of an eager call, from a
+bare ``ct.launch`` with prepared arguments up to a full forward + ``torch.autograd.grad``, next to torch,
+then prints the top functions of a cProfile of the forward+backward loop.
+
+    python bench/host_profile.py --m 64 --n 4096 --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+try:
+    from . import common
+except ImportError:
+    import common
+
+
+def per_call_us(fn, calls: int, reps: int = 5) -> float:
+    """Median over ``reps`` batches of wall microseconds per call (``calls`` calls, then one sync)."""
+    for _ in range(20):
+        fn()
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e6 / calls)
+    return common.summarize(out)[0]
+
+
+def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
+    """``(name, zero-argument callable)`` for each piece of an eager call, cheapest first."""
+    import cuda.tile as ct
+    import torch.nn.functional as F
+
+    import tilegym_rms
+    from tilegym_rms.cutile import forward_config, kernels
+
+    x = torch.randn(m, n, dtype=dtype, device=device)
+    w = torch.randn(n, dtype=dtype, device=device)
+    dy = torch.randn_like(x)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y, rstd = tilegym_rms.rms_norm_forward(x, w)
+    cfg = forward_config(x)
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    stream_obj = torch.cuda.current_stream(device)
+    if cfg.mode == "gather":
+        kernel, grid = kernels.rms_norm_fwd_gather, (m,)
+        args = (x, w, y, rstd, 1e-6, 0.0, cfg.tile_n, 0, True, cfg.single_tile)
+    else:
+        kernel, grid = kernels.rms_norm_fwd_persistent, (cfg.grid,)
+        args = (x, w, y, rstd, 1e-6, 0.0, cfg.tile_m, cfg.tile_n, 0, True)
+    detached_grad_args = (xg.detach(),) + args[1:]
+
+    def fwd_bwd(fn):
+        def run():
+            out = fn(xg, wg)
+            torch.autograd.grad(out, (xg, wg), dy)
+
+        return run
+
+    return [
+        ("torch.empty (M, N)", lambda: torch.empty((m, n), dtype=dtype, device=device)),
+        ("x.new_empty((M, N))", lambda: x.new_empty((m, n))),
+        ("torch.empty_like(x)", lambda: torch.empty_like(x)),
+        ("x.new_empty((M,), dtype=float32)", lambda: x.new_empty((m,), dtype=torch.float32)),
+        ("raw stream lookup", lambda: torch._C._cuda_getCurrentRawStream(device.index)),
+        ("ct.launch fwd, raw stream, prepared args", lambda: ct.launch(stream, grid, kernel, args)),
+        ("ct.launch fwd, stream object", lambda: ct.launch(stream_obj, grid, kernel, args)),
+        ("torch.cuda.current_stream()", lambda: torch.cuda.current_stream(device)),
+        ("ct.launch fwd, x = a detached leaf", lambda: ct.launch(stream, grid, kernel, detached_grad_args)),
+        ("x.detach()", lambda: xg.detach()),
+        ("tilegym_rms.cutile.forward (host module)", lambda: _cutile().forward(x, w, 1e-6, 0.0, "llama")),
+        ("rms_norm, no grad", lambda: _no_grad(tilegym_rms.rms_norm, x, w)),
+        ("F.rms_norm, no grad", lambda: _no_grad(F.rms_norm, x, (n,), w, 1e-6)),
+        ("rms_norm_backward (standalone)", lambda: tilegym_rms.rms_norm_backward(x, dy, w, rstd)),
+        ("tilegym_rms.cutile.backward (host module)", lambda: _cutile().backward(dy, x, w, rstd, 0.0, "llama")),
+        ("rms_norm forward + autograd.grad", fwd_bwd(lambda a, b: tilegym_rms.rms_norm(a, b))),
+        ("F.rms_norm forward + autograd.grad", fwd_bwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6))),
+    ]
+
+
+def _cutile():
+    import tilegym_rms.cutile
+
+    return tilegym_rms.cutile
+
+
+def _no_grad(fn, *args):
+    with torch.no_grad():
+        return fn(*args)
+
+
+def profile_top(fn, calls: int, top: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="host_profile.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, default=64)
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--dtype", type=common.parse_dtype, default="bf16")
+    parser.add_argument("--calls", type=int, default=500, help="calls per timed batch")
+    parser.add_argument("--top", type=int, default=25, help="cProfile rows to print")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_profile.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    common.ensure_repo_on_path()
+    device = torch.device("cuda", torch.cuda.current_device())
+    print(f"{torch.cuda.get_device_name(device)}; M={args.m} N={args.n} {args.dtype}; us per call (median)")
+    table = steps(args.m, args.n, common.DTYPES[args.dtype], device)
+    for name, fn in table:
+        print(f"  {name:<48} {per_call_us(fn, args.calls):8.1f}")
+    print("\ncProfile of rms_norm forward + autograd.grad (sorted by own time):")
+    print(profile_top(table[-2][1], args.calls, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
