@@ -175,8 +175,8 @@ def test_cutile_backward_kernels_are_marked_experimental():
         assert experimental.is_experimental(k, "cuda")
 
 
-def test_cutile_launch_helper_detaches_and_warns_once(monkeypatch):
-    """The one launch helper: experimental warning once per kernel, tensors handed over detached."""
+def test_cutile_launch_helper_warns_once_and_applies_the_occupancy_hint(monkeypatch):
+    """The one launch helper: experimental warning once per kernel; the hint picks a hinted copy."""
     ct = pytest.importorskip("cuda.tile")
     from tilegym_rms.cutile import kernels, launch
 
@@ -185,15 +185,36 @@ def test_cutile_launch_helper_detaches_and_warns_once(monkeypatch):
     monkeypatch.setattr(launch, "_current_stream", lambda index: 1234 + index)
     monkeypatch.delenv(experimental.SILENCE_ENV, raising=False)
     experimental._reset_warnings()
-    x = torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(4, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2):
-            launch.launch(kernels.rms_norm_dw_reduce, (3,), (x, 1.5, 16), 0)
+        for occupancy in (None, 2):
+            launch.launch(kernels.rms_norm_dw_reduce, (3,), (x, 1.5, 16), 0, occupancy)
     assert len([w for w in caught if issubclass(w.category, tilegym_rms.ExperimentalKernelWarning)]) == 1
-    stream, grid, kernel, args = seen[0]
-    assert (stream, grid, kernel) == (1234, (3,), kernels.rms_norm_dw_reduce)
-    assert not args[0].requires_grad and args[0].data_ptr() == x.data_ptr() and args[1:] == (1.5, 16)
+    assert [s[:3] for s in seen][0] == (1234, (3,), kernels.rms_norm_dw_reduce)
+    hinted = seen[1][2]
+    assert hinted is not kernels.rms_norm_dw_reduce and hinted is launch.with_occupancy(kernels.rms_norm_dw_reduce, 2)
+    assert seen[1][3] == (x, 1.5, 16)
+
+
+def test_cutile_host_hands_kernels_detached_tensors(monkeypatch):
+    """DLPack refuses tensors that require grad: the host detaches x, weight and dy before launching."""
+    pytest.importorskip("cuda.tile")
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    monkeypatch.setattr(cutile, "_launch", lambda: lambda kernel, grid, args, dev, occupancy=None: seen.append(args))
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    try:
+        y, rstd = cutile.forward(x, w, 1e-6, 0.0, "llama")
+        cutile.backward(torch.randn(4, 8, requires_grad=True), x, w, rstd, 0.0, "llama")
+    finally:
+        for cache in (cutile._forward_config, cutile._backward_config, cutile._reduce_config):
+            cache.cache_clear()
+    tensors = [a for args in seen for a in args if isinstance(a, torch.Tensor)]
+    assert len(seen) == 3 and len(tensors) == 12 and not any(t.requires_grad for t in tensors)
 
 
 def test_module_rejects_offset_without_weight():

@@ -73,13 +73,15 @@ def variants() -> list[Variant]:
                     for cast, has_w in ((0, True), (1, True), (2, True), (0, False)):
                         if dtype != torch.bfloat16 and (cast, has_w) != (0, True):
                             continue  # the cast / no-weight axes are covered once, on bf16
-                        w = _arr(dtype if has_w else dtype, 1)
-                        io_arrays = (_arr(dtype, 2), w, _arr(dtype, 2), _arr(_F32, 1), _S, _S)
-                        if f.mode == "gather":
-                            add("rms_norm_fwd_gather", *io_arrays, f.tile_n, cast, has_w, f.single_tile)
-                        else:
-                            args = (*io_arrays, f.tile_m, f.tile_n, cast, has_w)
-                            add("rms_norm_fwd_persistent", *args, occupancy=f.occupancy)
+                        for store in (True, False):  # without rstd, y stands in for it
+                            rstd = _arr(_F32, 1) if store else _arr(dtype, 2)
+                            io_arrays = (_arr(dtype, 2), _arr(dtype, 1), _arr(dtype, 2), rstd, _S, _S)
+                            if f.mode == "gather":
+                                args = (*io_arrays, f.tile_n, cast, has_w, f.single_tile, store)
+                                add("rms_norm_fwd_gather", *args)
+                            else:
+                                args = (*io_arrays, f.tile_m, f.tile_n, cast, has_w, store)
+                                add("rms_norm_fwd_persistent", *args, occupancy=f.occupancy)
                 b = config.backward_config(m, n, dtype, REFERENCE_SMS)
                 for has_w in (True, False):
                     x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)

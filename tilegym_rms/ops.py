@@ -41,15 +41,17 @@ def _dense_weight(weight):
     return weight.contiguous() if weight is not None else None
 
 
-def _forward(x, weight, eps, offset, casting_mode, backend, mode=None):
-    """``(y, rstd)`` with ``y`` shaped like ``x`` and ``rstd`` shaped ``x.shape[:-1]``."""
+def _forward(x, weight, eps, offset, casting_mode, backend, mode=None, store_rstd=True):
+    """``(y, rstd)`` with ``y`` shaped like ``x`` and ``rstd`` shaped ``x.shape[:-1]`` (or None
+    when not ``store_rstd``: no backward will follow)."""
     module = _backend(x, backend)
     n = x.shape[-1]
     kwargs = {"mode": mode} if mode is not None else {}
-    y, rstd = module.forward(_rows(x, n), _dense_weight(weight), eps, offset, casting_mode, **kwargs)
+    w = _dense_weight(weight)
+    y, rstd = module.forward(_rows(x, n), w, eps, offset, casting_mode, store_rstd=store_rstd, **kwargs)
     if x.dim() == 2:
         return y, rstd
-    return y.view(x.shape), rstd.view(x.shape[:-1])
+    return y.view(x.shape), (rstd.view(x.shape[:-1]) if rstd is not None else None)
 
 
 def _backward(dy, x, weight, rstd, offset, casting_mode, backend):
@@ -171,7 +173,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
         return _rms_norm_fwd_op(x, weight, float(eps), float(offset), casting_mode, name, mode)[0]
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, name, mode)
-    return _forward(x, weight, eps, offset, casting_mode, name, mode)[0]
+    return _forward(x, weight, eps, offset, casting_mode, name, mode, store_rstd=False)[0]
 
 
 def rms_norm_forward(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None, mode=None):

@@ -60,11 +60,36 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+@functools.cache
+def _kernels():
+    """The kernel module, imported on first launch (it needs ``cuda.tile``). Kernels are looked up
+    in it at every call, so a tuning script may swap in hinted copies."""
+    from . import kernels
+
+    return kernels
+
+
+@functools.cache
+def _launch():
+    from .launch import launch
+
+    return launch
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    # cuTile reads tensors through DLPack, which refuses tensors that require grad (a slow fallback
+    # then); detaching is free of copies.
+    return t.detach() if t.requires_grad else t
+
+
 @functools.lru_cache(maxsize=4096)
-def _forward_config(device_index, m_bucket, n, dtype, mode):
+def _forward_config(device_index, m, n, dtype, mode):
     from .launch import num_sms
 
-    return config.forward_config(m_bucket, n, dtype, num_sms(device_index), mode)
+    # Tiles come from M's bucket (a new M compiles nothing new); the grid follows the real M.
+    cfg = config.forward_config(config.m_bucket(m), n, dtype, num_sms(device_index), mode)
+    grid = m if cfg.mode == "gather" else min(cfg.grid, config.cdiv(m, cfg.tile_m))
+    return dataclasses.replace(cfg, grid=grid)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -81,43 +106,37 @@ def _reduce_config(device_index, n):
     return config.reduce_config(n, num_sms(device_index))
 
 
-def forward_config(x: torch.Tensor, mode: str | None = None, device_index: int | None = None) -> config.ForwardConfig:
+def forward_config(x: torch.Tensor, mode: str | None = None) -> config.ForwardConfig:
     """The forward configuration the dispatcher picks for ``x`` (M, N); tests assert on it."""
     m, n = x.shape
-    device_index = _device_index(x.device) if device_index is None else device_index
-    cfg = _forward_config(device_index, config.m_bucket(m), n, x.dtype, mode)
-    # Tiles come from the bucket; the grid must follow the real M (no block without a tile).
-    grid = m if cfg.mode == "gather" else min(cfg.grid, config.cdiv(m, cfg.tile_m))
-    return dataclasses.replace(cfg, grid=grid)
+    return _forward_config(_device_index(x.device), m, n, x.dtype, mode)
 
 
 def _weight_arg(weight, x):
     # Kernels without affine never read the weight; any 1-D tensor of the right kind stands in.
-    return weight if weight is not None else x.new_empty((1,))
+    return _plain(weight) if weight is not None else x.new_empty((1,))
 
 
 def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None):
-    """``(y, rstd)`` for a 2-D ``x``; see :func:`tilegym_rms.dispatch.Backend.forward`."""
-    from .kernels import CAST_CODES, rms_norm_fwd_gather, rms_norm_fwd_persistent
-    from .launch import launch
-
-    del store_rstd  # rstd is one fp32 per row: always stored, its cost is negligible
+    """``(y, rstd)`` for a 2-D ``x`` (``rstd`` None unless ``store_rstd``); see
+    :func:`tilegym_rms.dispatch.Backend.forward`."""
     m, n = x.shape
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    y = x.new_empty((m, n))
+    rstd = x.new_empty((m,), dtype=torch.float32) if store_rstd else None
     if m == 0:
         return y, rstd
-    dev = _device_index(x.device)
-    cfg = forward_config(x, mode, dev)
-    cast = CAST_CODES[casting_mode]
-    w = _weight_arg(weight, x)
-    has_w = weight is not None
+    k = _kernels()
+    dev = x.get_device()
+    cfg = _forward_config(dev, m, n, x.dtype, mode)
+    cast = k.CAST_CODES[casting_mode]
+    w, has_w = _weight_arg(weight, x), weight is not None
+    head = (_plain(x), w, y, rstd if store_rstd else y, float(eps), float(offset))
     if cfg.mode == "gather":
-        args = (x, w, y, rstd, float(eps), float(offset), cfg.tile_n, cast, has_w, cfg.single_tile)
-        launch(rms_norm_fwd_gather, (m,), args, dev)
+        args = (*head, cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd)
+        _launch()(k.rms_norm_fwd_gather, (m,), args, dev)
     else:
-        args = (x, w, y, rstd, float(eps), float(offset), cfg.tile_m, cfg.tile_n, cast, has_w)
-        launch(rms_norm_fwd_persistent, (cfg.grid,), args, dev, cfg.occupancy)
+        args = (*head, cfg.tile_m, cfg.tile_n, cast, has_w, store_rstd)
+        _launch()(k.rms_norm_fwd_persistent, (cfg.grid,), args, dev, cfg.occupancy)
     return y, rstd
 
 
@@ -128,38 +147,31 @@ def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.d
 
 def backward(dy, x, weight, rstd, offset, casting_mode):
     """``(dx, dw)`` for 2-D ``x`` and ``dy``; see :func:`tilegym_rms.dispatch.Backend.backward`."""
-    from .kernels import (
-        rms_norm_bwd_column_chunk,
-        rms_norm_bwd_persistent,
-        rms_norm_bwd_row_dot,
-        rms_norm_dw_reduce,
-    )
-    from .launch import launch
-
     del casting_mode  # the backward formula is the same for every casting mode
     m, n = x.shape
-    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    dx = x.new_empty((m, n))
     has_w = weight is not None
     if m == 0:
         return dx, (torch.zeros_like(weight) if has_w else None)
-    dev = _device_index(x.device)
+    k, launch = _kernels(), _launch()
+    dev = x.get_device()
     cfg = _backward_config(dev, m, n, x.dtype)
-    w = _weight_arg(weight, x)
+    dy, x, w = _plain(dy), _plain(x), _weight_arg(weight, x)
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
-    dw_partial = torch.empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32, device=x.device)
+    dw_partial = x.new_empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32)
     if cfg.mode == "fused":
         args = (dy, x, w, rstd, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(rms_norm_bwd_persistent, (cfg.grid,), args, dev, cfg.occupancy)
+        launch(k.rms_norm_bwd_persistent, (cfg.grid,), args, dev, cfg.occupancy)
     else:
-        row_dot = torch.empty((m,), dtype=torch.float32, device=x.device)
+        row_dot = x.new_empty((m,), dtype=torch.float32)
         args = (dy, x, w, rstd, row_dot, float(offset), cfg.tile_m, cfg.tile_n, has_w)
         grid = (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),)
-        launch(rms_norm_bwd_row_dot, grid, args, dev, cfg.occupancy)
+        launch(k.rms_norm_bwd_row_dot, grid, args, dev, cfg.occupancy)
         args = (dy, x, w, rstd, row_dot, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args, dev, cfg.occupancy)
+        launch(k.rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args, dev, cfg.occupancy)
     if not has_w:
         return dx, None
-    dw = torch.empty((n,), dtype=weight.dtype, device=x.device)
+    dw = weight.new_empty((n,))
     red = _reduce_config(dev, n)
-    launch(rms_norm_dw_reduce, (red.grid,), (dw_partial, dw, red.tile_g, red.tile_n), dev)
+    launch(k.rms_norm_dw_reduce, (red.grid,), (dw_partial, dw, red.tile_g, red.tile_n), dev)
     return dx, dw

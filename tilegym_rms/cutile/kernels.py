@@ -7,6 +7,8 @@ product or a dw column. Compile-time constants:
 * ``TILE_M`` / ``TILE_N``: tile shape (powers of two); ``TILE_N >= N`` in the single-tile kernels.
 * ``CAST``: casting mode (:data:`CAST_LLAMA`, :data:`CAST_GEMMA`, :data:`CAST_NONE`).
 * ``HAS_W``: False for RMSNorm without affine (the weight argument is then a dummy).
+* ``STORE_RSTD`` (forward): False when no backward will follow (inference); ``rstd`` is then a
+  dummy (the output ``y``), which spares the host an allocation per call.
 
 ``eps`` and ``offset`` are run-time scalars so that changing them never recompiles.
 """
@@ -80,6 +82,7 @@ def rms_norm_fwd_gather(
     CAST: ct.Constant[int],
     HAS_W: ct.Constant[bool],
     SINGLE_TILE: ct.Constant[bool],
+    STORE_RSTD: ct.Constant[bool],
 ):
     """One row per block. ``SINGLE_TILE``: the row fits one tile and stays in registers; otherwise
     pass 1 sums squares over column chunks and pass 2 re-reads each chunk to normalize it."""
@@ -101,7 +104,8 @@ def rms_norm_fwd_gather(
             xf = _load_f32(x, (row, j), (1, TILE_N), 10)
             wt = _effective_weight(w, j, offset, TILE_N, HAS_W, CAST, x.dtype)
             ct.store(y, (row, j), _normalize(xf, r, wt, CAST, y.dtype), allow_tma=False)
-    ct.store(rstd, (row,), ct.reshape(r, (1,)))
+    if STORE_RSTD:
+        ct.store(rstd, (row,), ct.reshape(r, (1,)))
 
 
 @ct.kernel
@@ -116,6 +120,7 @@ def rms_norm_fwd_persistent(
     TILE_N: ct.Constant[int],
     CAST: ct.Constant[int],
     HAS_W: ct.Constant[bool],
+    STORE_RSTD: ct.Constant[bool],
 ):
     """Static persistent: the weight is loaded once per block, which then grid-strides over
     ``TILE_M x TILE_N`` row tiles (``TILE_N >= N``)."""
@@ -125,7 +130,8 @@ def rms_norm_fwd_persistent(
         xf = _load_f32(x, (t, 0), (TILE_M, TILE_N), 10)
         r = _rstd_from_sum_sq(ct.sum(xf * xf, axis=1, keepdims=True), n, eps, CAST, x.dtype)
         ct.store(y, (t, 0), _normalize(xf, r, wt, CAST, y.dtype), allow_tma=False, latency=3)
-        ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)), allow_tma=False)
+        if STORE_RSTD:
+            ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)), allow_tma=False)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import cuda.tile as ct
 import torch
 
 from ..experimental import notify_launch
@@ -37,11 +38,8 @@ def with_occupancy(kernel, occupancy: int | None):
 
 def launch(kernel, grid: tuple[int, ...], args: tuple, device_index: int, occupancy: int | None = None) -> None:
     """Launches ``kernel`` (with the ``occupancy`` hint, see :func:`with_occupancy`) on the current
-    stream of CUDA device ``device_index``; warns once if the kernel is experimental. Tensors are
-    passed detached: cuTile exports them through DLPack, which refuses tensors that require grad and
-    would send every launch down a slow fallback."""
-    import cuda.tile as ct
-
+    stream of CUDA device ``device_index``; warns once if the kernel is experimental. Tensor
+    arguments must not require grad (cuTile exports them through DLPack, which refuses such tensors
+    and falls back to a slow path): callers detach them once."""
     notify_launch(kernel, "cuda")
-    args = tuple(a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
     ct.launch(_current_stream(device_index), grid, with_occupancy(kernel, occupancy), args)
