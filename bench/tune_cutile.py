@@ -9,8 +9,8 @@ caches are cleared between combinations) and the op is timed as the sum of its k
 backward the dw reduction takes. Prints one table; the winners go into ``config.py`` with a note in
 ``bench/NOTES.md``.
 
-    python bench/tune_cutile.py --op backward --shapes 4096x2048,32768x2048 --set BWD_BLOCKS_PER_SM=1,2 --breakdown
-    python bench/tune_cutile.py --op forward --shapes 4096x1024 --set FWD_BLOCKS_PER_SM=2,4 --set FWD_OCCUPANCY=0,4
+    python bench/tune_cutile.py --op backward --shapes 4096x2048 --set BWD_NARROW_BLOCKS_PER_SM=1,2 --breakdown
+    python bench/tune_cutile.py --op forward --shapes 4096x1024 --set FWD_NARROW_OCCUPANCY=0,2,4
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ def test_forward_config_invariants(m, n):
     cfg = config.forward_config(m, n, torch.bfloat16, SMS)
     assert cfg.tile_n & (cfg.tile_n - 1) == 0 and cfg.tile_m & (cfg.tile_m - 1) == 0
     if cfg.mode == "persistent":
-        assert cfg.tile_n >= n and 1 <= cfg.grid <= SMS * config.FWD_BLOCKS_PER_SM
+        assert cfg.tile_n >= n and 1 <= cfg.grid <= SMS * max(
+            config.FWD_NARROW_BLOCKS_PER_SM, config.FWD_WIDE_BLOCKS_PER_SM
+        )
         assert cfg.grid <= config.cdiv(m, cfg.tile_m)
     else:
         assert cfg.grid == m and cfg.single_tile == (cfg.tile_n >= n)
@@ -62,3 +64,15 @@ def test_reduce_config_fills_the_sms_and_covers_n(n):
     assert red.grid * red.tile_n >= n and red.tile_g * red.tile_n == config.REDUCE_TILE_ELEMS
     if n >= SMS * config.REDUCE_MIN_TILE_N:
         assert red.grid >= SMS  # at least one block per SM whenever N allows it
+
+
+def test_occupancy_hint_follows_the_tile_width():
+    """Narrow tiles get the occupancy hint, wide backward tiles one block per SM (NOTES experiment 6)."""
+    narrow_f = config.forward_config(65536, config.NARROW_TILE_N, torch.bfloat16, SMS)
+    wide_f = config.forward_config(65536, 2 * config.NARROW_TILE_N, torch.bfloat16, SMS)
+    assert (narrow_f.occupancy, narrow_f.grid) == (config.FWD_NARROW_OCCUPANCY, SMS * config.FWD_NARROW_BLOCKS_PER_SM)
+    assert wide_f.occupancy == (config.FWD_WIDE_OCCUPANCY or None)
+    narrow_b = config.backward_config(65536, config.NARROW_TILE_N, torch.bfloat16, SMS)
+    wide_b = config.backward_config(65536, config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
+    assert (narrow_b.occupancy, narrow_b.grid) == (config.BWD_NARROW_OCCUPANCY, SMS * config.BWD_NARROW_BLOCKS_PER_SM)
+    assert (wide_b.occupancy, wide_b.grid) == (config.BWD_WIDE_OCCUPANCY, SMS * config.BWD_WIDE_BLOCKS_PER_SM)

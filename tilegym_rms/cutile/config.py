@@ -30,13 +30,21 @@ BWD_CHUNK_TILE_M = 4
 FWD_TILE_ELEMS = 16384
 BWD_TILE_ELEMS = 8192
 MAX_TILE_M = 16
-# Persistent grids launch this many blocks per SM (at most one per row tile), and tell the compiler
-# through its ``occupancy`` hint that this many blocks share an SM (0: leave it to the compiler), so it
-# sizes registers to fit them.
-FWD_BLOCKS_PER_SM = 2
-FWD_OCCUPANCY = 0
-BWD_BLOCKS_PER_SM = 2
-BWD_OCCUPANCY = 0
+# Persistent grids: blocks launched per SM (at most one per row tile) and the compiler's ``occupancy``
+# hint, the blocks per SM it sizes its registers for (0: its own choice), for narrow tiles
+# (TILE_N <= NARROW_TILE_N) and wide ones. From the bf16 sweep on H100 (bench/NOTES.md, experiment 6):
+# left to itself the compiler built narrow tiles for too few blocks (forward 4096 x 1024 at 14-69% of
+# copy bandwidth, backward 4096 x 2048 at 41%; with occupancy 2: 84% and 77%), while wide tiles (a
+# whole 8192-wide row of x and dy live in the backward) lose 10-30% when forced to 2 blocks per SM.
+NARROW_TILE_N = 4096
+FWD_NARROW_BLOCKS_PER_SM = 2
+FWD_NARROW_OCCUPANCY = 2
+FWD_WIDE_BLOCKS_PER_SM = 2
+FWD_WIDE_OCCUPANCY = 0
+BWD_NARROW_BLOCKS_PER_SM = 2
+BWD_NARROW_OCCUPANCY = 2
+BWD_WIDE_BLOCKS_PER_SM = 1
+BWD_WIDE_OCCUPANCY = 1
 # The forward uses the gather kernel (one row per block) while M is at most this many waves of SMs:
 # with so few rows, a block per row spreads them widest.
 GATHER_MAX_ROWS_PER_SM = 2
@@ -75,6 +83,13 @@ class BackwardConfig:
     occupancy: int | None = None  # compiler hint: blocks per SM the kernels are built for
 
 
+def _blocks_and_occupancy(tile_n: int, prefix: str) -> tuple[int, int | None]:
+    """Blocks per SM and occupancy hint (None: the compiler's choice) of the ``FWD``/``BWD`` grids."""
+    width = "NARROW" if tile_n <= NARROW_TILE_N else "WIDE"
+    table = globals()  # read at call time, so that bench/tune_cutile.py can sweep the constants
+    return table[f"{prefix}_{width}_BLOCKS_PER_SM"], table[f"{prefix}_{width}_OCCUPANCY"] or None
+
+
 def _tile_m(tile_n: int, target_elems: int) -> int:
     # Independent of M on purpose: every M then shares one compiled variant per (N, dtype).
     return max(1, min(MAX_TILE_M, target_elems // tile_n))
@@ -97,8 +112,8 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
         return ForwardConfig("gather", 1, tile_n, fits, m)
     tile_n = next_pow2(n)
     tile_m = _tile_m(tile_n, FWD_TILE_ELEMS)
-    grid = min(num_sms * FWD_BLOCKS_PER_SM, cdiv(m, tile_m))
-    return ForwardConfig("persistent", tile_m, tile_n, True, grid, FWD_OCCUPANCY or None)
+    blocks, occupancy = _blocks_and_occupancy(tile_n, "FWD")
+    return ForwardConfig("persistent", tile_m, tile_n, True, min(num_sms * blocks, cdiv(m, tile_m)), occupancy)
 
 
 def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> BackwardConfig:
@@ -107,12 +122,13 @@ def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> Backwar
     if next_pow2(n) <= BWD_MAX_SINGLE_TILE_N:
         tile_n = next_pow2(n)
         tile_m = _tile_m(tile_n, BWD_TILE_ELEMS)
-        grid = min(num_sms * BWD_BLOCKS_PER_SM, cdiv(m, tile_m))
-        return BackwardConfig("fused", tile_m, tile_n, grid, 1, BWD_OCCUPANCY or None)
+        blocks, occupancy = _blocks_and_occupancy(tile_n, "BWD")
+        return BackwardConfig("fused", tile_m, tile_n, min(num_sms * blocks, cdiv(m, tile_m)), 1, occupancy)
     num_chunks = cdiv(n, BWD_CHUNK_N)
+    blocks, occupancy = _blocks_and_occupancy(BWD_CHUNK_N, "BWD")
     # Enough row workers that (workers x chunks) fills the GPU, never more than there are row tiles.
-    grid = max(1, min(cdiv(num_sms * BWD_BLOCKS_PER_SM, num_chunks), cdiv(m, BWD_CHUNK_TILE_M)))
-    return BackwardConfig("chunked", BWD_CHUNK_TILE_M, BWD_CHUNK_N, grid, num_chunks, BWD_OCCUPANCY or None)
+    grid = max(1, min(cdiv(num_sms * blocks, num_chunks), cdiv(m, BWD_CHUNK_TILE_M)))
+    return BackwardConfig("chunked", BWD_CHUNK_TILE_M, BWD_CHUNK_N, grid, num_chunks, occupancy)
 
 
 @dataclass(frozen=True)
