@@ -175,7 +175,7 @@ def test_cutile_backward_kernels_are_marked_experimental():
         assert experimental.is_experimental(k, "cuda")
 
 
-def test_cutile_launch_helper_warns_once_and_applies_the_occupancy_hint(monkeypatch):
+def test_cutile_launch_helper_warns_once_and_applies_compiler_hints(monkeypatch):
     """The one launch helper: experimental warning once per kernel; the hint picks a hinted copy."""
     ct = pytest.importorskip("cuda.tile")
     from tilegym_rms.cutile import kernels, launch
@@ -188,12 +188,13 @@ def test_cutile_launch_helper_warns_once_and_applies_the_occupancy_hint(monkeypa
     x = torch.randn(4, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for occupancy in (None, 2):
-            launch.launch(kernels.rms_norm_dw_reduce, (3,), (x, 1.5, 16), 0, occupancy)
+        for hints in ((), (("occupancy", 2),)):
+            launch.launch(kernels.rms_norm_dw_reduce, (3,), (x, 1.5, 16), 0, hints)
     assert len([w for w in caught if issubclass(w.category, tilegym_rms.ExperimentalKernelWarning)]) == 1
     assert [s[:3] for s in seen][0] == (1234, (3,), kernels.rms_norm_dw_reduce)
     hinted = seen[1][2]
-    assert hinted is not kernels.rms_norm_dw_reduce and hinted is launch.with_occupancy(kernels.rms_norm_dw_reduce, 2)
+    assert hinted is not kernels.rms_norm_dw_reduce
+    assert hinted is launch.with_hints(kernels.rms_norm_dw_reduce, (("occupancy", 2),))
     assert seen[1][3] == (x, 1.5, 16)
 
 
@@ -205,7 +206,7 @@ def test_cutile_host_hands_kernels_detached_tensors(monkeypatch):
 
     seen = []
     monkeypatch.setattr(launch, "num_sms", lambda index: 132)
-    monkeypatch.setattr(cutile, "_launch", lambda: lambda kernel, grid, args, dev, occupancy=None: seen.append(args))
+    monkeypatch.setattr(cutile, "_launch", lambda: lambda kernel, grid, args, dev, hints=(): seen.append(args))
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
     try:
         y, rstd = cutile.forward(x, w, 1e-6, 0.0, "llama")

@@ -66,13 +66,19 @@ def test_reduce_config_fills_the_sms_and_covers_n(n):
         assert red.grid >= SMS  # at least one block per SM whenever N allows it
 
 
-def test_occupancy_hint_follows_the_tile_width():
-    """Narrow tiles get the occupancy hint, wide backward tiles one block per SM (NOTES experiment 6)."""
+def test_compiler_hints_follow_the_tile_width():
+    """Narrow tiles get the occupancy hint; wide backward tiles one block per SM with 8 warps (NOTES
+    experiments 6 and 10); a zero constant sets no hint."""
     narrow_f = config.forward_config(65536, config.NARROW_TILE_N, torch.bfloat16, SMS)
-    wide_f = config.forward_config(65536, 2 * config.NARROW_TILE_N, torch.bfloat16, SMS)
-    assert (narrow_f.occupancy, narrow_f.grid) == (config.FWD_NARROW_OCCUPANCY, SMS * config.FWD_NARROW_BLOCKS_PER_SM)
-    assert wide_f.occupancy == (config.FWD_WIDE_OCCUPANCY or None)
+    assert narrow_f.hints == (("occupancy", config.FWD_NARROW_OCCUPANCY),)
+    assert narrow_f.grid == SMS * config.FWD_NARROW_BLOCKS_PER_SM
+    assert config.forward_config(65536, 2 * config.NARROW_TILE_N, torch.bfloat16, SMS).hints == ()
     narrow_b = config.backward_config(65536, config.NARROW_TILE_N, torch.bfloat16, SMS)
+    assert narrow_b.hints == (("occupancy", config.BWD_NARROW_OCCUPANCY),)
     wide_b = config.backward_config(65536, config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
-    assert (narrow_b.occupancy, narrow_b.grid) == (config.BWD_NARROW_OCCUPANCY, SMS * config.BWD_NARROW_BLOCKS_PER_SM)
-    assert (wide_b.occupancy, wide_b.grid) == (config.BWD_WIDE_OCCUPANCY, SMS * config.BWD_WIDE_BLOCKS_PER_SM)
+    assert wide_b.mode == "fused" and wide_b.grid == SMS * config.BWD_WIDE_BLOCKS_PER_SM
+    assert dict(wide_b.hints) == {
+        "occupancy": config.BWD_WIDE_OCCUPANCY,
+        "num_worker_warps": config.BWD_WIDE_WORKER_WARPS,
+    }
+    assert config.forward_config(8, 4096, torch.bfloat16, SMS).hints == (("occupancy", config.GATHER_OCCUPANCY),)

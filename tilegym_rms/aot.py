@@ -33,7 +33,7 @@ REFERENCE_SMS = 132
 class Variant:
     kernel_name: str
     params: tuple  # per kernel parameter: ("array", dtype, ndim) | ("scalar",) | a constant value
-    occupancy: int | None = None  # compiler hint (see tilegym_rms.cutile.launch.with_occupancy)
+    hints: tuple = ()  # compiler hints (see tilegym_rms.cutile.launch.with_hints)
 
     def describe(self) -> str:
         shown = []
@@ -42,8 +42,8 @@ class Variant:
                 shown.append(str(p[1]).replace("torch.", ""))
             elif not isinstance(p, tuple):
                 shown.append(str(p))
-        occ = f" occ={self.occupancy}" if self.occupancy else ""
-        return f"{self.kernel_name}[{','.join(shown)}]{occ}"
+        hints = "".join(f" {k}={v}" for k, v in self.hints)
+        return f"{self.kernel_name}[{','.join(shown)}]{hints}"
 
 
 def _arr(dtype, ndim):
@@ -58,8 +58,8 @@ def variants() -> list[Variant]:
     """The distinct kernel variants reachable from the dispatcher over the representative grid."""
     found: dict[Variant, None] = {}
 
-    def add(name, *params, occupancy=None):
-        found.setdefault(Variant(name, params, occupancy), None)
+    def add(name, *params, hints=()):
+        found.setdefault(Variant(name, params, hints), None)
 
     for dtype in DTYPES:
         for n in REPRESENTATIVE_N:
@@ -78,19 +78,19 @@ def variants() -> list[Variant]:
                             io_arrays = (_arr(dtype, 2), _arr(dtype, 1), _arr(dtype, 2), rstd, _S, _S)
                             if f.mode == "gather":
                                 args = (*io_arrays, f.tile_n, cast, has_w, f.single_tile, store)
-                                add("rms_norm_fwd_gather", *args)
+                                add("rms_norm_fwd_gather", *args, hints=f.hints)
                             else:
                                 args = (*io_arrays, f.tile_m, f.tile_n, cast, has_w, store)
-                                add("rms_norm_fwd_persistent", *args, occupancy=f.occupancy)
+                                add("rms_norm_fwd_persistent", *args, hints=f.hints)
                 b = config.backward_config(m, n, dtype, REFERENCE_SMS)
                 for has_w in (True, False):
                     x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
                     if b.mode == "fused":
                         args = (x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, has_w)
-                        add("rms_norm_bwd_persistent", *args, occupancy=b.occupancy)
+                        add("rms_norm_bwd_persistent", *args, hints=b.hints)
                     else:
                         args = (x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w)
-                        add("rms_norm_bwd_row_dot", *args, occupancy=b.occupancy)
+                        add("rms_norm_bwd_row_dot", *args, hints=b.hints)
                         add(
                             "rms_norm_bwd_column_chunk",
                             x2,
@@ -104,7 +104,7 @@ def variants() -> list[Variant]:
                             b.tile_m,
                             b.tile_n,
                             has_w,
-                            occupancy=b.occupancy,
+                            hints=b.hints,
                         )
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
     tile_n = config.REDUCE_MIN_TILE_N
@@ -147,10 +147,10 @@ def compile_variant(v: Variant, arch: str) -> int:
     from cuda.tile.compilation import export_kernel
 
     from .cutile import kernels
-    from .cutile.launch import with_occupancy
+    from .cutile.launch import with_hints
 
     buf = io.BytesIO()
-    kernel = with_occupancy(getattr(kernels, v.kernel_name), v.occupancy)
+    kernel = with_hints(getattr(kernels, v.kernel_name), v.hints)
     export_kernel(kernel, [_signature(v)], buf, gpu_code=arch, output_format="cubin")
     size = len(buf.getvalue())
     if size == 0:

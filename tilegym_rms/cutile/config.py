@@ -16,11 +16,12 @@ from .._tiling import cdiv, next_pow2, prev_pow2
 
 FORWARD_MODES = ("gather", "persistent")
 
-# Widest row kept in registers as one tile; wider rows take the column-chunked kernels. Measured on
-# H100 (bench/NOTES.md): the forward still streams at 95% of copy bandwidth with one 16384-wide bf16
-# row per tile, while the backward (two tiles live: x and dy) already drops at 16384.
+# Widest row kept in registers as one tile; wider rows take the column-chunked kernels. Measured
+# (bench/NOTES.md): the forward streams at 95% of copy bandwidth with one 16384-wide bf16 row per tile
+# (H100); the backward, with x and dy of a 16384-wide row live, beats its two-pass chunked kernels
+# (which read x and dy twice) once it has 8 warps per block (BWD_WIDE_WORKER_WARPS; H200: 67% vs 61%).
 FWD_MAX_SINGLE_TILE_N = 16384
-BWD_MAX_SINGLE_TILE_N = 8192
+BWD_MAX_SINGLE_TILE_N = 16384
 # Column chunk of the chunked kernels, and rows per tile in the chunked backward (4 x 4096 keeps
 # enough bytes in flight per block; 1 x 4096 reached only 28% of copy bandwidth in bf16).
 FWD_CHUNK_N = 8192
@@ -30,24 +31,46 @@ BWD_CHUNK_TILE_M = 4
 FWD_TILE_ELEMS = 16384
 BWD_TILE_ELEMS = 8192
 MAX_TILE_M = 16
-# Persistent grids: blocks launched per SM (at most one per row tile) and the compiler's ``occupancy``
-# hint, the blocks per SM it sizes its registers for (0: its own choice), for narrow tiles
-# (TILE_N <= NARROW_TILE_N) and wide ones. From the bf16 sweep on H100 (bench/NOTES.md, experiment 6):
-# left to itself the compiler built narrow tiles for too few blocks (forward 4096 x 1024 at 14-69% of
-# copy bandwidth, backward 4096 x 2048 at 41%; with occupancy 2: 84% and 77%), while wide tiles (a
-# whole 8192-wide row of x and dy live in the backward) lose 10-30% when forced to 2 blocks per SM.
+# Persistent grids: blocks launched per SM (at most one per row tile) and two compiler hints, for
+# narrow tiles (TILE_N <= NARROW_TILE_N) and wide ones: ``occupancy``, the blocks per SM the compiler
+# sizes its registers for, and ``num_worker_warps``, the warps of one block (0: the compiler's choice).
+# From the bf16 sweep on H100 (bench/NOTES.md, experiment 6): left to itself the compiler built narrow
+# tiles for too few blocks (forward 4096 x 1024 at 14-69% of copy bandwidth, backward 4096 x 2048 at
+# 41%; with occupancy 2: 84% and 77%), while wide tiles (a whole 8192-wide row of x and dy live in the
+# backward) lose 10-30% when forced to 2 blocks per SM.
 NARROW_TILE_N = 4096
+# Wide backward tiles (up to 16384 columns of x and dy in registers) need 8 warps: with the default
+# the 16384-wide single tile spilled (28% of copy bandwidth on H200; 67% with 8 warps, above the 61% of
+# the two-pass chunked kernels, experiment 10).
 FWD_NARROW_BLOCKS_PER_SM = 2
 FWD_NARROW_OCCUPANCY = 2
+FWD_NARROW_WORKER_WARPS = 0
 FWD_WIDE_BLOCKS_PER_SM = 2
 FWD_WIDE_OCCUPANCY = 0
+FWD_WIDE_WORKER_WARPS = 0
 BWD_NARROW_BLOCKS_PER_SM = 2
 BWD_NARROW_OCCUPANCY = 2
+BWD_NARROW_WORKER_WARPS = 0
 BWD_WIDE_BLOCKS_PER_SM = 1
 BWD_WIDE_OCCUPANCY = 1
+BWD_WIDE_WORKER_WARPS = 8
 # The forward uses the gather kernel (one row per block) while M is at most this many waves of SMs:
 # with so few rows, a block per row spreads them widest.
 GATHER_MAX_ROWS_PER_SM = 2
+# Occupancy hint of the gather kernel (0: the compiler's choice). Its blocks are short-lived, so more of
+# them per SM keep more rows in flight: on H200 (bench/NOTES.md, experiment 9) occupancy 4 took
+# 4096 x 32768 bf16 from 45% to 73% of copy bandwidth and 256 x 4096 from 24% to 34%.
+GATHER_OCCUPANCY = 4
+
+# Compiler hints of one kernel launch, as sorted ``(name, value)`` pairs (hashable: a cache key).
+Hints = tuple[tuple[str, int], ...]
+
+
+def _hints(**values: int) -> Hints:
+    """The hints that are set (0 means: leave it to the compiler)."""
+    return tuple(sorted((k, v) for k, v in values.items() if v))
+
+
 # Final dw reduction: each block owns a strip of columns and sums all partial rows. The strip is
 # narrow enough that there are at least as many blocks as SMs: with 256-column strips a 2048-wide dw
 # had 8 blocks walking 264 partial rows one after another. 32 fp32 columns are one 128-byte line per
@@ -70,7 +93,7 @@ class ForwardConfig:
     tile_n: int
     single_tile: bool  # gather only: the row fits one tile
     grid: int
-    occupancy: int | None = None  # compiler hint: blocks per SM the kernel is built for
+    hints: Hints = ()  # compiler hints (occupancy, num_worker_warps)
 
 
 @dataclass(frozen=True)
@@ -80,14 +103,16 @@ class BackwardConfig:
     tile_n: int
     grid: int  # row workers: rows of the dw partial buffer
     num_chunks: int  # column chunks (1 when fused); the chunked grid is (grid, num_chunks)
-    occupancy: int | None = None  # compiler hint: blocks per SM the kernels are built for
+    hints: Hints = ()  # compiler hints (occupancy, num_worker_warps)
 
 
-def _blocks_and_occupancy(tile_n: int, prefix: str) -> tuple[int, int | None]:
-    """Blocks per SM and occupancy hint (None: the compiler's choice) of the ``FWD``/``BWD`` grids."""
+def _blocks_and_hints(tile_n: int, prefix: str) -> tuple[int, Hints]:
+    """Blocks per SM and compiler hints of the ``FWD``/``BWD`` persistent grids."""
     width = "NARROW" if tile_n <= NARROW_TILE_N else "WIDE"
     table = globals()  # read at call time, so that bench/tune_cutile.py can sweep the constants
-    return table[f"{prefix}_{width}_BLOCKS_PER_SM"], table[f"{prefix}_{width}_OCCUPANCY"] or None
+    key = f"{prefix}_{width}"
+    hints = _hints(occupancy=table[f"{key}_OCCUPANCY"], num_worker_warps=table[f"{key}_WORKER_WARPS"])
+    return table[f"{key}_BLOCKS_PER_SM"], hints
 
 
 def _tile_m(tile_n: int, target_elems: int) -> int:
@@ -109,11 +134,11 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
         )
     if mode == "gather":
         tile_n = next_pow2(n) if fits else FWD_CHUNK_N
-        return ForwardConfig("gather", 1, tile_n, fits, m)
+        return ForwardConfig("gather", 1, tile_n, fits, m, _hints(occupancy=GATHER_OCCUPANCY))
     tile_n = next_pow2(n)
     tile_m = _tile_m(tile_n, FWD_TILE_ELEMS)
-    blocks, occupancy = _blocks_and_occupancy(tile_n, "FWD")
-    return ForwardConfig("persistent", tile_m, tile_n, True, min(num_sms * blocks, cdiv(m, tile_m)), occupancy)
+    blocks, hints = _blocks_and_hints(tile_n, "FWD")
+    return ForwardConfig("persistent", tile_m, tile_n, True, min(num_sms * blocks, cdiv(m, tile_m)), hints)
 
 
 def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> BackwardConfig:
@@ -122,13 +147,13 @@ def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> Backwar
     if next_pow2(n) <= BWD_MAX_SINGLE_TILE_N:
         tile_n = next_pow2(n)
         tile_m = _tile_m(tile_n, BWD_TILE_ELEMS)
-        blocks, occupancy = _blocks_and_occupancy(tile_n, "BWD")
-        return BackwardConfig("fused", tile_m, tile_n, min(num_sms * blocks, cdiv(m, tile_m)), 1, occupancy)
+        blocks, hints = _blocks_and_hints(tile_n, "BWD")
+        return BackwardConfig("fused", tile_m, tile_n, min(num_sms * blocks, cdiv(m, tile_m)), 1, hints)
     num_chunks = cdiv(n, BWD_CHUNK_N)
-    blocks, occupancy = _blocks_and_occupancy(BWD_CHUNK_N, "BWD")
+    blocks, hints = _blocks_and_hints(BWD_CHUNK_N, "BWD")
     # Enough row workers that (workers x chunks) fills the GPU, never more than there are row tiles.
     grid = max(1, min(cdiv(num_sms * blocks, num_chunks), cdiv(m, BWD_CHUNK_TILE_M)))
-    return BackwardConfig("chunked", BWD_CHUNK_TILE_M, BWD_CHUNK_N, grid, num_chunks, occupancy)
+    return BackwardConfig("chunked", BWD_CHUNK_TILE_M, BWD_CHUNK_N, grid, num_chunks, hints)
 
 
 @dataclass(frozen=True)

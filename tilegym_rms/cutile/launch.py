@@ -30,16 +30,16 @@ _current_stream = _raw_stream if hasattr(torch._C, "_cuda_getCurrentRawStream") 
 
 
 @functools.cache
-def with_occupancy(kernel, occupancy: int | None):
-    """``kernel`` compiled for ``occupancy`` blocks per SM (a separate cuTile variant and JIT cache);
-    None: the compiler's own choice."""
-    return kernel if occupancy is None else kernel.replace_hints(occupancy=occupancy)
+def with_hints(kernel, hints: tuple[tuple[str, int], ...]):
+    """``kernel`` built with compiler ``hints`` (``(name, value)`` pairs such as ``("occupancy", 2)``:
+    a separate cuTile variant with its own JIT cache); no hints: the kernel itself."""
+    return kernel.replace_hints(**dict(hints)) if hints else kernel
 
 
-def launch(kernel, grid: tuple[int, ...], args: tuple, device_index: int, occupancy: int | None = None) -> None:
-    """Launches ``kernel`` (with the ``occupancy`` hint, see :func:`with_occupancy`) on the current
+def launch(kernel, grid: tuple[int, ...], args: tuple, device_index: int, hints: tuple = ()) -> None:
+    """Launches ``kernel`` (built with ``hints``, see :func:`with_hints`) on the current
     stream of CUDA device ``device_index``; warns once if the kernel is experimental. Tensor
     arguments must not require grad (cuTile exports them through DLPack, which refuses such tensors
     and falls back to a slow path): callers detach them once."""
     notify_launch(kernel, "cuda")
-    ct.launch(_current_stream(device_index), grid, with_occupancy(kernel, occupancy), args)
+    ct.launch(_current_stream(device_index), grid, with_hints(kernel, hints), args)
