@@ -120,6 +120,18 @@ def test_noncontiguous_inputs(n):
     _check(3 * 50, n, torch.bfloat16, x=big[:150].view(3, 50, n + 24)[..., :n])  # leading dims
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n", [(7, 1000), (4097, 4096), (3, 65536)])
+def test_inference_forward_matches_the_rstd_storing_forward(m, n, dtype):
+    """Without grad, rms_norm runs the kernels that skip rstd (STORE_RSTD=False): same y, bit for bit."""
+    x = torch.randn(m, n, dtype=dtype, device="cuda")
+    w = torch.randn(n, dtype=dtype, device="cuda")
+    y_ref, _ = tilegym_rms.rms_norm_forward(x, w, backend="cutile")
+    with torch.no_grad():
+        y = tilegym_rms.rms_norm(x, w, backend="cutile")
+    assert torch.equal(y, y_ref)
+
+
 def test_empty_and_weight_dtype_mix():
     x = torch.randn(0, 4096, dtype=torch.bfloat16, device="cuda")
     y, rstd = tilegym_rms.rms_norm_forward(x, torch.ones(4096, device="cuda"), backend="cutile")
