@@ -22,7 +22,7 @@ from .cutile import config
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
 # Hidden sizes that reach every tile shape class: tiny, non-power-of-two, the common LLM widths, and
 # rows wider than one tile (chunked kernels).
-REPRESENTATIVE_N = (64, 1000, 4096, 8192, 65536)
+REPRESENTATIVE_N = (64, 1000, 4096, 8192, 16384, 65536)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Large and small M reach both forward modes; SM count of an H100 (the heuristics scale with it).
 REPRESENTATIVE_M = (128, 65536)
