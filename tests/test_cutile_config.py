@@ -36,13 +36,14 @@ def test_forward_dispatch_thresholds():
         config.forward_config(8, 8, torch.bfloat16, SMS, mode="fast")
 
 
-@pytest.mark.parametrize("n", [1, 123, 4096, 8192, 8193, 65536])
+@pytest.mark.parametrize("n", [1, 123, 3072, 4096, 5120, 7168, 8192, 8193, 12288, 65536])
 @pytest.mark.parametrize("m", [1, 7, 4097, 65536])
 def test_backward_config_invariants(m, n):
     cfg = config.backward_config(m, n, torch.bfloat16, SMS)
     assert 1 <= cfg.grid <= max(m, 1)
+    assert cfg.tile_m & (cfg.tile_m - 1) == 0
     if cfg.mode == "fused":
-        assert cfg.tile_n >= n and cfg.num_chunks == 1
+        assert (cfg.tile_n, cfg.tail_n) == config.split_row(n) and cfg.num_chunks == 1
     else:
         assert cfg.num_chunks * cfg.tile_n >= n and next_pow2_gt(n)
 
@@ -69,11 +70,11 @@ def test_reduce_config_fills_the_sms_and_covers_n(n):
 def test_compiler_hints_follow_the_tile_width():
     """Narrow tiles get the occupancy hint; wide backward tiles one block per SM with 8 warps (NOTES
     experiments 6 and 10); a zero constant sets no hint."""
-    narrow_f = config.forward_config(65536, config.NARROW_TILE_N, torch.bfloat16, SMS)
+    narrow_f = config.forward_config(65536, 4096, torch.bfloat16, SMS)
     assert narrow_f.hints == (("occupancy", config.FWD_NARROW_OCCUPANCY),)
     assert narrow_f.grid == SMS * config.FWD_NARROW_BLOCKS_PER_SM
-    assert config.forward_config(65536, 2 * config.NARROW_TILE_N, torch.bfloat16, SMS).hints == ()
-    narrow_b = config.backward_config(65536, config.NARROW_TILE_N, torch.bfloat16, SMS)
+    assert config.forward_config(65536, 8192, torch.bfloat16, SMS).hints == ()
+    narrow_b = config.backward_config(65536, 5120, torch.bfloat16, SMS)  # 4096 + 1024: still narrow
     assert narrow_b.hints == (("occupancy", config.BWD_NARROW_OCCUPANCY),)
     wide_b = config.backward_config(65536, config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
     assert wide_b.mode == "fused" and wide_b.grid == SMS * config.BWD_WIDE_BLOCKS_PER_SM
@@ -82,3 +83,15 @@ def test_compiler_hints_follow_the_tile_width():
         "num_worker_warps": config.BWD_WIDE_WORKER_WARPS,
     }
     assert config.forward_config(8, 4096, torch.bfloat16, SMS).hints == (("occupancy", config.GATHER_OCCUPANCY),)
+
+
+def test_split_row_is_exact_for_common_widths_and_never_wider_than_padding():
+    assert config.split_row(5120) == (4096, 1024)
+    assert config.split_row(6144) == (4096, 2048)
+    assert config.split_row(12288) == (8192, 4096)
+    assert config.split_row(7168) == (8192, 0)  # 4096 + 4096 would be no narrower than one 8192 tile
+    assert config.split_row(4096) == (4096, 0)
+    for n in range(1, 20000, 7):
+        head, tail = config.split_row(n)
+        assert head & (head - 1) == 0 and tail & (tail - 1) == 0 and tail < head
+        assert n <= head + tail <= config.next_pow2(n) and (tail == 0 or head < n)

@@ -97,6 +97,17 @@ def test_grid_forward_backward(m, n, dtype):
     _check(m, n, dtype, eps=1e-6 if n > 1 else 0.5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [2560, 3072, 6144, 12288])
+@pytest.mark.parametrize("weight", [True, False])
+def test_backward_rows_split_into_tile_and_tail(n, dtype, weight):
+    """Widths held as a tile plus a tail tile in the backward (config.split_row), with and without dw."""
+    from tilegym_rms.cutile import config
+
+    assert config.split_row(n)[1] > 0
+    _check(4097, n, dtype, weight=weight)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
 @pytest.mark.parametrize("weight,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])

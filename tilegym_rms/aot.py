@@ -20,9 +20,9 @@ import torch
 from .cutile import config
 
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
-# Hidden sizes that reach every tile shape class: tiny, non-power-of-two, the common LLM widths, and
-# rows wider than one tile (chunked kernels).
-REPRESENTATIVE_N = (64, 1000, 4096, 8192, 16384, 65536)
+# Hidden sizes that reach every tile shape class: tiny, non-power-of-two, the common LLM widths, rows
+# split into a tile and a tail tile (5120, 12288), and rows wider than one tile (chunked kernels).
+REPRESENTATIVE_N = (64, 1000, 4096, 5120, 8192, 12288, 16384, 65536)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Large and small M reach both forward modes; SM count of an H100 (the heuristics scale with it).
 REPRESENTATIVE_M = (128, 65536)
@@ -86,7 +86,7 @@ def variants() -> list[Variant]:
                 for has_w in (True, False):
                     x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
                     if b.mode == "fused":
-                        args = (x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, has_w)
+                        args = (x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, b.tail_n, has_w)
                         add("rms_norm_bwd_persistent", *args, hints=b.hints)
                     else:
                         args = (x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w)

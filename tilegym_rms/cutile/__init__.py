@@ -160,7 +160,7 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
     dw_partial = x.new_empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32)
     if cfg.mode == "fused":
-        args = (dy, x, w, rstd, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
+        args = (dy, x, w, rstd, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w)
         launch(k.rms_norm_bwd_persistent, (cfg.grid,), args, dev, cfg.hints)
     else:
         row_dot = x.new_empty((m,), dtype=torch.float32)

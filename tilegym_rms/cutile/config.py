@@ -36,13 +36,13 @@ BWD_NARROW_TILE_ELEMS = 8192
 BWD_WIDE_TILE_ELEMS = 16384
 MAX_TILE_M = 16
 # Persistent grids: blocks launched per SM (at most one per row tile) and two compiler hints, for
-# narrow tiles (TILE_N <= NARROW_TILE_N) and wide ones: ``occupancy``, the blocks per SM the compiler
+# narrow rows (at most NARROW_MAX_ROW padded columns) and wide ones: ``occupancy``, the blocks per SM the compiler
 # sizes its registers for, and ``num_worker_warps``, the warps of one block (0: the compiler's choice).
 # From the bf16 sweep on H100 (bench/NOTES.md, experiment 6): left to itself the compiler built narrow
 # tiles for too few blocks (forward 4096 x 1024 at 14-69% of copy bandwidth, backward 4096 x 2048 at
 # 41%; with occupancy 2: 84% and 77%), while wide tiles (a whole 8192-wide row of x and dy live in the
 # backward) lose 10-30% when forced to 2 blocks per SM.
-NARROW_TILE_N = 4096
+NARROW_MAX_ROW = 6144  # widest row (padded: tile plus tail tile) of the narrow class
 # Wide backward tiles (up to 16384 columns of x and dy in registers) need 8 warps: with the default
 # the 16384-wide single tile spilled (28% of copy bandwidth on H200; 67% with 8 warps, above the 61% of
 # the two-pass chunked kernels, experiment 10).
@@ -102,26 +102,37 @@ class ForwardConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    mode: str  # "fused" (rows fit one tile) or "chunked" (two kernels over column chunks)
+    mode: str  # "fused" (rows fit one tile, or a tile and a tail tile) or "chunked" (two kernels, column chunks)
     tile_m: int
     tile_n: int
     grid: int  # row workers: rows of the dw partial buffer
     num_chunks: int  # column chunks (1 when fused); the chunked grid is (grid, num_chunks)
     hints: Hints = ()  # compiler hints (occupancy, num_worker_warps)
+    tail_n: int = 0  # fused: width of the tail tile after the first TILE_N columns (0: none)
 
 
-def _blocks_and_hints(tile_n: int, prefix: str) -> tuple[int, Hints]:
+def _blocks_and_hints(row: int, prefix: str) -> tuple[int, Hints]:
     """Blocks per SM and compiler hints of the ``FWD``/``BWD`` persistent grids."""
-    width = "NARROW" if tile_n <= NARROW_TILE_N else "WIDE"
+    width = "NARROW" if row <= NARROW_MAX_ROW else "WIDE"
     table = globals()  # read at call time, so that bench/tune_cutile.py can sweep the constants
     key = f"{prefix}_{width}"
     hints = _hints(occupancy=table[f"{key}_OCCUPANCY"], num_worker_warps=table[f"{key}_WORKER_WARPS"])
     return table[f"{key}_BLOCKS_PER_SM"], hints
 
 
-def _tile_m(tile_n: int, target_elems: int) -> int:
+def _tile_m(row: int, target_elems: int) -> int:
     # Independent of M on purpose: every M then shares one compiled variant per (N, dtype).
-    return max(1, min(MAX_TILE_M, target_elems // tile_n))
+    return max(1, min(MAX_TILE_M, prev_pow2(max(target_elems // row, 1))))
+
+
+def split_row(n: int) -> tuple[int, int]:
+    """``(TILE_N, TAIL_N)``: a row as one power-of-two tile, or as a tile plus a narrower power-of-two tail
+    when that is narrower than the single padded tile (5120 = 4096 + 1024, 6144 = 4096 + 2048, 12288 =
+    8192 + 4096; 7168 stays 8192). Measured in the backward on H100 (experiment 12): 32768 x 5120 bf16
+    went from 81% to 95% of copy bandwidth."""
+    head = prev_pow2(n)
+    tail = next_pow2(n - head) if n > head else 0
+    return (head, tail) if head + tail < next_pow2(n) else (next_pow2(n), 0)
 
 
 def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str | None = None) -> ForwardConfig:
@@ -149,10 +160,12 @@ def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> Backwar
     """Chooses the backward kernels, tiles and the number of dw partial rows (``grid``)."""
     del dtype
     if next_pow2(n) <= BWD_MAX_SINGLE_TILE_N:
-        tile_n = next_pow2(n)
-        tile_m = _tile_m(tile_n, BWD_NARROW_TILE_ELEMS if tile_n <= NARROW_TILE_N else BWD_WIDE_TILE_ELEMS)
-        blocks, hints = _blocks_and_hints(tile_n, "BWD")
-        return BackwardConfig("fused", tile_m, tile_n, min(num_sms * blocks, cdiv(m, tile_m)), 1, hints)
+        tile_n, tail_n = split_row(n)
+        row = tile_n + tail_n
+        tile_m = _tile_m(row, BWD_NARROW_TILE_ELEMS if row <= NARROW_MAX_ROW else BWD_WIDE_TILE_ELEMS)
+        blocks, hints = _blocks_and_hints(row, "BWD")
+        grid = min(num_sms * blocks, cdiv(m, tile_m))
+        return BackwardConfig("fused", tile_m, tile_n, grid, 1, hints, tail_n)
     num_chunks = cdiv(n, BWD_CHUNK_N)
     blocks, hints = _blocks_and_hints(BWD_CHUNK_N, "BWD")
     # Enough row workers that (workers x chunks) fills the GPU, never more than there are row tiles.

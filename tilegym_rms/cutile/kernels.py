@@ -144,27 +144,68 @@ def _load_row_values(values, t, TILE_M):
     return ct.reshape(ct.load(values, (t,), (TILE_M,), padding_mode=_ZERO), (TILE_M, 1))
 
 
+def _xhat_and_dy(x, dy, r, t, chunk, TILE_M, TILE_N):
+    """``x^ = x * rstd`` and ``dy`` of one ``TILE_M x TILE_N`` tile (column chunk ``chunk``), fp32."""
+    xhat = _load_f32(x, (t, chunk), (TILE_M, TILE_N), 10) * r
+    return xhat, _load_f32(dy, (t, chunk), (TILE_M, TILE_N), 10)
+
+
+def _row_dot(xhat, g):
+    return ct.sum(xhat * g, axis=1, keepdims=True)
+
+
+def _dw_rows(dyf, xhat):
+    return ct.sum(dyf * xhat, axis=0, keepdims=True)
+
+
 @experimental_kernel
 @ct.kernel
 def rms_norm_bwd_persistent(
-    dy, x, w, rstd, dx, dw_partial, offset, TILE_M: ct.Constant[int], TILE_N: ct.Constant[int], HAS_W: ct.Constant[bool]
+    dy,
+    x,
+    w,
+    rstd,
+    dx,
+    dw_partial,
+    offset,
+    TILE_M: ct.Constant[int],
+    TILE_N: ct.Constant[int],
+    TAIL_N: ct.Constant[int],
+    HAS_W: ct.Constant[bool],
 ):
-    """Rows fit one tile (``TILE_N >= N``). Each block grid-strides over row tiles, writes dx, and
-    keeps its share of dw in fp32 registers; at the end it writes row ``bid`` of ``dw_partial``."""
+    """Rows fit one tile (``TILE_N >= N``), or one tile plus a narrower tail tile (``TAIL_N > 0``: columns
+    ``[TILE_N, TILE_N + TAIL_N)``), so that e.g. N = 5120 is held as 4096 + 1024 rather than padded to 8192
+    (the padding costs registers, and with them the blocks per SM). Each block grid-strides over row tiles,
+    writes dx, and keeps its share of dw in fp32 registers; at the end it writes row ``bid`` of
+    ``dw_partial``."""
     n = x.shape[1]
     wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
     dw_acc = ct.zeros((1, TILE_N), dtype=_F32)
+    if TAIL_N:
+        tail = TILE_N // TAIL_N  # the tail tile's column index
+        wt_tail = _effective_weight(w, tail, offset, TAIL_N, HAS_W, CAST_GEMMA, x.dtype)
+        dw_acc_tail = ct.zeros((1, TAIL_N), dtype=_F32)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
         r = _load_row_values(rstd, t, TILE_M)
-        xhat = _load_f32(x, (t, 0), (TILE_M, TILE_N), 10) * r
-        dyf = _load_f32(dy, (t, 0), (TILE_M, TILE_N), 10)
+        xhat, dyf = _xhat_and_dy(x, dy, r, t, 0, TILE_M, TILE_N)
         g = dyf * wt
-        c = ct.sum(xhat * g, axis=1, keepdims=True) / n
+        dot = _row_dot(xhat, g)
+        if TAIL_N:
+            xhat_tail, dyf_tail = _xhat_and_dy(x, dy, r, t, tail, TILE_M, TAIL_N)
+            g_tail = dyf_tail * wt_tail
+            dot = dot + _row_dot(xhat_tail, g_tail)
+        c = dot / n
         ct.store(dx, (t, 0), ct.astype((g - xhat * c) * r, dx.dtype), allow_tma=False, latency=3)
+        if TAIL_N:
+            ct.store(dx, (t, tail), ct.astype((g_tail - xhat_tail * c) * r, dx.dtype), allow_tma=False, latency=3)
         if HAS_W:
-            dw_acc = dw_acc + ct.sum(dyf * xhat, axis=0, keepdims=True)
+            dw_acc = dw_acc + _dw_rows(dyf, xhat)
+            if TAIL_N:
+                dw_acc_tail = dw_acc_tail + _dw_rows(dyf_tail, xhat_tail)
     if HAS_W:
         ct.store(dw_partial, (ct.bid(0), 0), dw_acc, allow_tma=False)
+        if TAIL_N:
+            ct.store(dw_partial, (ct.bid(0), tail), dw_acc_tail, allow_tma=False)
 
 
 @experimental_kernel
@@ -205,12 +246,11 @@ def rms_norm_bwd_column_chunk(
     dw_acc = ct.zeros((1, TILE_N), dtype=_F32)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
         r = _load_row_values(rstd, t, TILE_M)
-        xhat = _load_f32(x, (t, j), (TILE_M, TILE_N), 10) * r
-        dyf = _load_f32(dy, (t, j), (TILE_M, TILE_N), 10)
+        xhat, dyf = _xhat_and_dy(x, dy, r, t, j, TILE_M, TILE_N)
         c = _load_row_values(row_dot, t, TILE_M)
         ct.store(dx, (t, j), ct.astype((dyf * wt - xhat * c) * r, dx.dtype), allow_tma=False, latency=3)
         if HAS_W:
-            dw_acc = dw_acc + ct.sum(dyf * xhat, axis=0, keepdims=True)
+            dw_acc = dw_acc + _dw_rows(dyf, xhat)
     if HAS_W:
         ct.store(dw_partial, (ct.bid(0), j), dw_acc, allow_tma=False)
 
