@@ -73,7 +73,7 @@ def test_compiler_hints_follow_the_tile_width():
     narrow_f = config.forward_config(65536, 4096, torch.bfloat16, SMS)
     assert narrow_f.hints == (("occupancy", config.FWD_NARROW_OCCUPANCY),)
     assert narrow_f.grid == SMS * config.FWD_NARROW_BLOCKS_PER_SM
-    assert config.forward_config(65536, 8192, torch.bfloat16, SMS).hints == ()
+    assert config.forward_config(4097, 8192, torch.bfloat16, SMS).hints == ()  # persistent, wide
     narrow_b = config.backward_config(65536, 5120, torch.bfloat16, SMS)  # 4096 + 1024: still narrow
     assert narrow_b.hints == (("occupancy", config.BWD_NARROW_OCCUPANCY),)
     wide_b = config.backward_config(65536, config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
@@ -82,7 +82,17 @@ def test_compiler_hints_follow_the_tile_width():
         "occupancy": config.BWD_WIDE_OCCUPANCY,
         "num_worker_warps": config.BWD_WIDE_WORKER_WARPS,
     }
-    assert config.forward_config(8, 4096, torch.bfloat16, SMS).hints == (("occupancy", config.GATHER_OCCUPANCY),)
+    assert config.forward_config(8, 4096, torch.bfloat16, SMS).hints == (("occupancy", config.GATHER_WIDE_OCCUPANCY),)
+    assert config.forward_config(8, 1000, torch.bfloat16, SMS).hints == (("occupancy", config.GATHER_NARROW_OCCUPANCY),)
+
+
+def test_gather_is_preferred_at_large_m_only_for_its_measured_widths():
+    big = config.GATHER_PREFERRED_MIN_M
+    for n in (2048, 8192):
+        assert config.forward_config(big, n, torch.bfloat16, SMS).mode == "gather"
+        assert config.forward_config(big // 2, n, torch.bfloat16, SMS).mode == "persistent"
+    for n in (1024, 4096, 5120, 16384):  # 5120 pads its 8192-wide tile: not measured with the gather kernel
+        assert config.forward_config(big, n, torch.bfloat16, SMS).mode == "persistent"
 
 
 def test_split_row_is_exact_for_common_widths_and_never_wider_than_padding():

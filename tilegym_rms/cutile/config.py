@@ -61,10 +61,19 @@ BWD_WIDE_WORKER_WARPS = 8
 # The forward uses the gather kernel (one row per block) while M is at most this many waves of SMs:
 # with so few rows, a block per row spreads them widest.
 GATHER_MAX_ROWS_PER_SM = 2
-# Occupancy hint of the gather kernel (0: the compiler's choice). Its blocks are short-lived, so more of
-# them per SM keep more rows in flight: on H200 (bench/NOTES.md, experiment 9) occupancy 4 took
-# 4096 x 32768 bf16 from 45% to 73% of copy bandwidth and 256 x 4096 from 24% to 34%.
-GATHER_OCCUPANCY = 4
+# Row widths (full tiles; padded widths were not measured) at which the gather kernel beats the
+# persistent one even at large M (from GATHER_PREFERRED_MIN_M rows). H100 bf16, experiment 13: 32768 x 2048 97% of copy bandwidth against
+# 89%, 32768 x 8192 100% against 93%; at 1024 and 4096 the persistent kernel was level or ahead, and
+# at 4096 rows (one wave of it) ahead at every width.
+GATHER_PREFERRED_TILE_N = (2048, 8192)
+GATHER_PREFERRED_MIN_M = 16384
+# Occupancy hint of the gather kernel by row tile (0: the compiler's choice). Its blocks are
+# short-lived, so more of them per SM keep more rows in flight: occupancy 4 took 4096 x 32768 bf16 from
+# 45% to 73% of copy bandwidth on H200 (experiment 9); rows of up to 2048 columns want 8 (experiment 13:
+# 32768 x 2048 at 70% with 4, 97% with 8), wider ones 4 (32768 x 8192: 38% with 8, 100% with 4).
+GATHER_NARROW_TILE_N = 2048
+GATHER_NARROW_OCCUPANCY = 8
+GATHER_WIDE_OCCUPANCY = 4
 
 # Compiler hints of one kernel launch, as sorted ``(name, value)`` pairs (hashable: a cache key).
 Hints = tuple[tuple[str, int], ...]
@@ -139,8 +148,11 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
     """Chooses the forward kernel and its tiles. ``mode`` forces a kernel ("gather" / "persistent")."""
     del dtype  # one table for all dtypes for now; the key keeps room for per-dtype tuning
     fits = next_pow2(n) <= FWD_MAX_SINGLE_TILE_N
+    tile_n = next_pow2(n) if fits else FWD_CHUNK_N
     if mode is None:
-        mode = "persistent" if fits and m > GATHER_MAX_ROWS_PER_SM * num_sms else "gather"
+        few_rows = m <= GATHER_MAX_ROWS_PER_SM * num_sms
+        gather_wins = n in GATHER_PREFERRED_TILE_N and m >= GATHER_PREFERRED_MIN_M  # rows that fill the tile
+        mode = "gather" if not fits or few_rows or gather_wins else "persistent"
     if mode not in FORWARD_MODES:
         raise ValueError(f"mode must be one of {FORWARD_MODES} or None, got {mode!r}")
     if mode == "persistent" and not fits:
@@ -148,9 +160,8 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
             f"mode='persistent' needs rows of at most {FWD_MAX_SINGLE_TILE_N} elements (N={n}); use mode='gather'"
         )
     if mode == "gather":
-        tile_n = next_pow2(n) if fits else FWD_CHUNK_N
-        return ForwardConfig("gather", 1, tile_n, fits, m, _hints(occupancy=GATHER_OCCUPANCY))
-    tile_n = next_pow2(n)
+        occupancy = GATHER_NARROW_OCCUPANCY if tile_n <= GATHER_NARROW_TILE_N else GATHER_WIDE_OCCUPANCY
+        return ForwardConfig("gather", 1, tile_n, fits, m, _hints(occupancy=occupancy))
     tile_m = _tile_m(tile_n, FWD_TILE_ELEMS)
     blocks, hints = _blocks_and_hints(tile_n, "FWD")
     return ForwardConfig("persistent", tile_m, tile_n, True, min(num_sms * blocks, cdiv(m, tile_m)), hints)
