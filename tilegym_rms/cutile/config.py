@@ -62,9 +62,9 @@ BWD_WIDE_WORKER_WARPS = 8
 # with so few rows, a block per row spreads them widest.
 GATHER_MAX_ROWS_PER_SM = 2
 # Row widths (full tiles; padded widths were not measured) at which the gather kernel beats the
-# persistent one even at large M (from GATHER_PREFERRED_MIN_M rows). H100 bf16, experiment 13: 32768 x 2048 97% of copy bandwidth against
-# 89%, 32768 x 8192 100% against 93%; at 1024 and 4096 the persistent kernel was level or ahead, and
-# at 4096 rows (one wave of it) ahead at every width.
+# persistent one even at large M (from GATHER_PREFERRED_MIN_M rows). H100 bf16, experiment 13:
+# 32768 x 2048 97% of copy bandwidth against 89%, 32768 x 8192 100% against 93%; at 1024 and 4096 the
+# persistent kernel was level or ahead, and at 4096 rows (one wave of it) ahead at every width.
 GATHER_PREFERRED_TILE_N = (2048, 8192)
 GATHER_PREFERRED_MIN_M = 16384
 # Occupancy hint of the gather kernel by row tile (0: the compiler's choice). Its blocks are
