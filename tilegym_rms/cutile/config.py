@@ -1,9 +1,11 @@
-"""Launch heuristics for the cuTile kernels: which kernel, which tile shape, which grid.
+"""Launch heuristics for the cuTile kernels: which kernel, which tile shape, which grid, which
+compiler hints.
 
 Kept apart from the kernels so that tuning never touches kernel code. Every choice is a pure
-function of ``(M, N, dtype, num_sms)``; the host caches the result per (device, N, dtype, mode,
-M bucket). Tile shapes are powers of two; ``TILE_N`` never depends on M, so a new M compiles
-nothing new.
+function of ``(M, N, dtype, num_sms)``; tiles and hints come from M's power-of-two bucket (the host
+passes the bucket and caches the result per device, M, N, dtype and mode), so a new M compiles
+nothing new. Tile shapes are powers of two. The constants come from sweeps on H100/H200
+(``bench/tune_cutile.py``); ``bench/NOTES.md`` has each experiment.
 """
 
 from __future__ import annotations
