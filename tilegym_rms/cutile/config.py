@@ -49,6 +49,10 @@ NARROW_MAX_ROW = 6144  # widest row (padded: tile plus tail tile) of the narrow 
 # the 16384-wide single tile spilled (28% of copy bandwidth on H200; 67% with 8 warps, above the 61% of
 # the two-pass chunked kernels, experiment 10).
 FWD_NARROW_BLOCKS_PER_SM = 2
+# Rows of at most 1024 columns: 4 blocks per SM, still built for occupancy 2 (the extra blocks queue).
+# H100 bf16, experiment 15: 32768 x 1024 at 91% of copy bandwidth against 85% with 2; 4096 x 1024 level.
+FWD_TINY_TILE_N = 1024
+FWD_TINY_BLOCKS_PER_SM = 4
 FWD_NARROW_OCCUPANCY = 2
 FWD_NARROW_WORKER_WARPS = 0
 FWD_WIDE_BLOCKS_PER_SM = 2
@@ -166,6 +170,8 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
         return ForwardConfig("gather", 1, tile_n, fits, m, _hints(occupancy=occupancy))
     tile_m = _tile_m(tile_n, FWD_TILE_ELEMS)
     blocks, hints = _blocks_and_hints(tile_n, "FWD")
+    if tile_n <= FWD_TINY_TILE_N:
+        blocks = FWD_TINY_BLOCKS_PER_SM
     return ForwardConfig("persistent", tile_m, tile_n, True, min(num_sms * blocks, cdiv(m, tile_m)), hints)
 
 
