@@ -14,9 +14,8 @@ def test_forward_config_invariants(m, n):
     cfg = config.forward_config(m, n, torch.bfloat16, SMS)
     assert cfg.tile_n & (cfg.tile_n - 1) == 0 and cfg.tile_m & (cfg.tile_m - 1) == 0
     if cfg.mode == "persistent":
-        assert cfg.tile_n >= n and 1 <= cfg.grid <= SMS * max(
-            config.FWD_NARROW_BLOCKS_PER_SM, config.FWD_WIDE_BLOCKS_PER_SM
-        )
+        most = max(config.FWD_NARROW_BLOCKS_PER_SM, config.FWD_WIDE_BLOCKS_PER_SM, config.FWD_TINY_BLOCKS_PER_SM)
+        assert cfg.tile_n >= n and 1 <= cfg.grid <= SMS * most
         assert cfg.grid <= config.cdiv(m, cfg.tile_m)
     else:
         assert cfg.grid == m and cfg.single_tile == (cfg.tile_n >= n)
@@ -73,6 +72,7 @@ def test_compiler_hints_follow_the_tile_width():
     narrow_f = config.forward_config(65536, 4096, torch.bfloat16, SMS)
     assert narrow_f.hints == (("occupancy", config.FWD_NARROW_OCCUPANCY),)
     assert narrow_f.grid == SMS * config.FWD_NARROW_BLOCKS_PER_SM
+    assert config.forward_config(65536, 1024, torch.bfloat16, SMS).grid == SMS * config.FWD_TINY_BLOCKS_PER_SM
     assert config.forward_config(4097, 8192, torch.bfloat16, SMS).hints == ()  # persistent, wide
     narrow_b = config.backward_config(65536, 5120, torch.bfloat16, SMS)  # 4096 + 1024: still narrow
     assert narrow_b.hints == (("occupancy", config.BWD_NARROW_OCCUPANCY),)
