@@ -61,7 +61,7 @@ def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
         args = (x, w, y, rstd, 1e-6, 0.0, cfg.tile_n, 0, True, cfg.single_tile, True)
     else:
         kernel, grid = kernels.rms_norm_fwd_persistent, (cfg.grid,)
-        args = (x, w, y, rstd, 1e-6, 0.0, cfg.tile_m, cfg.tile_n, 0, True, True)
+        args = (x, w, y, rstd, 1e-6, 0.0, cfg.tile_m, cfg.tile_n, 0, True)
     detached_grad_args = (xg.detach(),) + args[1:]
 
     def fwd_bwd(fn):

@@ -73,15 +73,15 @@ def variants() -> list[Variant]:
                     for cast, has_w in ((0, True), (1, True), (2, True), (0, False)):
                         if dtype != torch.bfloat16 and (cast, has_w) != (0, True):
                             continue  # the cast / no-weight axes are covered once, on bf16
+                        x2, w1 = _arr(dtype, 2), _arr(dtype, 1)
+                        if f.mode == "persistent":
+                            args = (x2, w1, x2, _arr(_F32, 1), _S, _S, f.tile_m, f.tile_n, cast, has_w)
+                            add("rms_norm_fwd_persistent", *args, hints=f.hints)
+                            continue
                         for store in (True, False):  # without rstd, y stands in for it
-                            rstd = _arr(_F32, 1) if store else _arr(dtype, 2)
-                            io_arrays = (_arr(dtype, 2), _arr(dtype, 1), _arr(dtype, 2), rstd, _S, _S)
-                            if f.mode == "gather":
-                                args = (*io_arrays, f.tile_n, cast, has_w, f.single_tile, store)
-                                add("rms_norm_fwd_gather", *args, hints=f.hints)
-                            else:
-                                args = (*io_arrays, f.tile_m, f.tile_n, cast, has_w, store)
-                                add("rms_norm_fwd_persistent", *args, hints=f.hints)
+                            rstd = _arr(_F32, 1) if store else x2
+                            args = (x2, w1, x2, rstd, _S, _S, f.tile_n, cast, has_w, f.single_tile, store)
+                            add("rms_norm_fwd_gather", *args, hints=f.hints)
                 b = config.backward_config(m, n, dtype, REFERENCE_SMS)
                 for has_w in (True, False):
                     x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)

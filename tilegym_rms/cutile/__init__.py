@@ -122,22 +122,23 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None)
     :func:`tilegym_rms.dispatch.Backend.forward`."""
     m, n = x.shape
     y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
-    rstd = x.new_empty((m,), dtype=torch.float32) if store_rstd else None
     if m == 0:
-        return y, rstd
+        return y, (x.new_empty((0,), dtype=torch.float32) if store_rstd else None)
     k = _kernels()
     dev = x.get_device()
     cfg = _forward_config(dev, m, n, x.dtype, mode)
     cast = k.CAST_CODES[casting_mode]
     w, has_w = _weight_arg(weight, x), weight is not None
-    head = (_plain(x), w, y, rstd if store_rstd else y, float(eps), float(offset))
     if cfg.mode == "gather":
-        args = (*head, cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd)
+        rstd = x.new_empty((m,), dtype=torch.float32) if store_rstd else None
+        args = (_plain(x), w, y, rstd if store_rstd else y, float(eps), float(offset))
+        args += (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd)
         _launch()(k.rms_norm_fwd_gather, (m,), args, dev, cfg.hints)
-    else:
-        args = (*head, cfg.tile_m, cfg.tile_n, cast, has_w, store_rstd)
-        _launch()(k.rms_norm_fwd_persistent, (cfg.grid,), args, dev, cfg.hints)
-    return y, rstd
+        return y, rstd
+    rstd = x.new_empty((m,), dtype=torch.float32)  # always stored here (see kernels.STORE_RSTD)
+    args = (_plain(x), w, y, rstd, float(eps), float(offset), cfg.tile_m, cfg.tile_n, cast, has_w)
+    _launch()(k.rms_norm_fwd_persistent, (cfg.grid,), args, dev, cfg.hints)
+    return y, (rstd if store_rstd else None)
 
 
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
