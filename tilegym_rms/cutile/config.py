@@ -38,29 +38,30 @@ BWD_NARROW_TILE_ELEMS = 8192
 BWD_WIDE_TILE_ELEMS = 16384
 MAX_TILE_M = 16
 # Persistent grids: blocks launched per SM (at most one per row tile) and two compiler hints, for
-# narrow rows (at most NARROW_MAX_ROW padded columns) and wide ones: ``occupancy``, the blocks per SM the compiler
-# sizes its registers for, and ``num_worker_warps``, the warps of one block (0: the compiler's choice).
+# narrow rows (at most NARROW_MAX_ROW padded columns) and wide ones: ``occupancy``, the blocks per SM
+# the compiler sizes its registers for, and ``num_worker_warps``, the warps of one block (0: the
+# compiler's choice).
 # From the bf16 sweep on H100 (bench/NOTES.md, experiment 6): left to itself the compiler built narrow
 # tiles for too few blocks (forward 4096 x 1024 at 14-69% of copy bandwidth, backward 4096 x 2048 at
 # 41%; with occupancy 2: 84% and 77%), while wide tiles (a whole 8192-wide row of x and dy live in the
 # backward) lose 10-30% when forced to 2 blocks per SM.
 NARROW_MAX_ROW = 6144  # widest row (padded: tile plus tail tile) of the narrow class
-# Wide backward tiles (up to 16384 columns of x and dy in registers) need 8 warps: with the default
-# the 16384-wide single tile spilled (28% of copy bandwidth on H200; 67% with 8 warps, above the 61% of
-# the two-pass chunked kernels, experiment 10).
 FWD_NARROW_BLOCKS_PER_SM = 2
-# Rows of at most 1024 columns: 4 blocks per SM, still built for occupancy 2 (the extra blocks queue).
-# H100 bf16, experiment 15: 32768 x 1024 at 91% of copy bandwidth against 85% with 2; 4096 x 1024 level.
-FWD_TINY_TILE_N = 1024
-FWD_TINY_BLOCKS_PER_SM = 4
 FWD_NARROW_OCCUPANCY = 2
 FWD_NARROW_WORKER_WARPS = 0
 FWD_WIDE_BLOCKS_PER_SM = 2
 FWD_WIDE_OCCUPANCY = 0
 FWD_WIDE_WORKER_WARPS = 0
+# Rows of at most 1024 columns: 4 blocks per SM, still built for occupancy 2 (the extra blocks queue).
+# H100 bf16, experiment 15: 32768 x 1024 at 91% of copy bandwidth against 85% with 2; 4096 x 1024 level.
+FWD_TINY_TILE_N = 1024
+FWD_TINY_BLOCKS_PER_SM = 4
 BWD_NARROW_BLOCKS_PER_SM = 2
 BWD_NARROW_OCCUPANCY = 2
 BWD_NARROW_WORKER_WARPS = 0
+# Wide backward tiles (up to 16384 columns of x and dy in registers) need 8 warps: with the default
+# the 16384-wide single tile spilled (28% of copy bandwidth on H200; 67% with 8 warps, above the 61% of
+# the two-pass chunked kernels, experiment 10).
 BWD_WIDE_BLOCKS_PER_SM = 1
 BWD_WIDE_OCCUPANCY = 1
 BWD_WIDE_WORKER_WARPS = 8
