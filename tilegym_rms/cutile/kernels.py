@@ -158,6 +158,11 @@ def _dw_rows(dyf, xhat):
     return ct.sum(dyf * xhat, axis=0, keepdims=True)
 
 
+def _dx(g, xhat, c, r, dtype):
+    """``dx = rstd * (g - x^ * c)`` with ``c`` the row's ``mean(x^ * g)``, in ``dtype``."""
+    return ct.astype((g - xhat * c) * r, dtype)
+
+
 @experimental_kernel
 @ct.kernel
 def rms_norm_bwd_persistent(
@@ -195,9 +200,9 @@ def rms_norm_bwd_persistent(
             g_tail = dyf_tail * wt_tail
             dot = dot + _row_dot(xhat_tail, g_tail)
         c = dot / n
-        ct.store(dx, (t, 0), ct.astype((g - xhat * c) * r, dx.dtype), allow_tma=False, latency=3)
+        ct.store(dx, (t, 0), _dx(g, xhat, c, r, dx.dtype), allow_tma=False, latency=3)
         if TAIL_N:
-            ct.store(dx, (t, tail), ct.astype((g_tail - xhat_tail * c) * r, dx.dtype), allow_tma=False, latency=3)
+            ct.store(dx, (t, tail), _dx(g_tail, xhat_tail, c, r, dx.dtype), allow_tma=False, latency=3)
         if HAS_W:
             dw_acc = dw_acc + _dw_rows(dyf, xhat)
             if TAIL_N:
@@ -248,7 +253,7 @@ def rms_norm_bwd_column_chunk(
         r = _load_row_values(rstd, t, TILE_M)
         xhat, dyf = _xhat_and_dy(x, dy, r, t, j, TILE_M, TILE_N)
         c = _load_row_values(row_dot, t, TILE_M)
-        ct.store(dx, (t, j), ct.astype((dyf * wt - xhat * c) * r, dx.dtype), allow_tma=False, latency=3)
+        ct.store(dx, (t, j), _dx(dyf * wt, xhat, c, r, dx.dtype), allow_tma=False, latency=3)
         if HAS_W:
             dw_acc = dw_acc + _dw_rows(dyf, xhat)
     if HAS_W:
