@@ -72,7 +72,7 @@ GATHER_MAX_ROWS_PER_SM = 2
 # persistent one even at large M (from GATHER_PREFERRED_MIN_M rows). H100 bf16, experiment 13:
 # 32768 x 2048 97% of copy bandwidth against 89%, 32768 x 8192 100% against 93%; at 1024 and 4096 the
 # persistent kernel was level or ahead, and at 4096 rows (one wave of it) ahead at every width.
-GATHER_PREFERRED_TILE_N = (2048, 8192)
+GATHER_PREFERRED_N = (2048, 8192)
 GATHER_PREFERRED_MIN_M = 16384
 # Occupancy hint of the gather kernel by row tile (0: the compiler's choice). Its blocks are
 # short-lived, so more of them per SM keep more rows in flight: occupancy 4 took 4096 x 32768 bf16 from
@@ -158,7 +158,7 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
     tile_n = next_pow2(n) if fits else FWD_CHUNK_N
     if mode is None:
         few_rows = m <= GATHER_MAX_ROWS_PER_SM * num_sms
-        gather_wins = n in GATHER_PREFERRED_TILE_N and m >= GATHER_PREFERRED_MIN_M  # rows that fill the tile
+        gather_wins = n in GATHER_PREFERRED_N and m >= GATHER_PREFERRED_MIN_M
         mode = "gather" if not fits or few_rows or gather_wins else "persistent"
     if mode not in FORWARD_MODES:
         raise ValueError(f"mode must be one of {FORWARD_MODES} or None, got {mode!r}")
