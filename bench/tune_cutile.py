@@ -1,16 +1,17 @@
 """Sweep the cuTile heuristics (``tilegym_rms/cutile/config.py``) on a GPU.
 
-Each ``--set NAME=v1,v2`` names a constant of the config module; each ``--hint NAME=v1,v2`` a cuTile
-compiler hint (``occupancy``, ``num_worker_warps``; 0 leaves it to the compiler) given to every kernel of the op through
-``kernel.replace_hints``. Every combination of the values is applied in turn (the host-side config
-caches are cleared between combinations) and the op is timed as the sum of its kernels' device time
-(torch.profiler, as the benchmarks do) over inputs rotating through more than 4x the L2 cache.
-``--breakdown`` also prints the per-kernel device time of each combination, to see e.g. how much of a
-backward the dw reduction takes. Prints one table; the winners go into ``config.py`` with a note in
-``bench/NOTES.md``.
+Each ``--set NAME=v1,v2`` names an integer constant of the config module; each ``--hint NAME=v1,v2`` a
+cuTile compiler hint (``occupancy``, ``num_worker_warps``, ``num_ctas``; 0 leaves it to the compiler)
+that overrides the config's hints for every kernel of the op, or for the kernel named by ``--only``.
+Every combination of the values is applied in turn (the host-side caches are cleared between
+combinations) and the op is timed as the sum of its kernels' device time (torch.profiler, as the
+benchmarks do) over inputs rotating through more than 4x the L2 cache. ``--breakdown`` also prints the
+per-kernel device time of each combination, to see e.g. how much of a backward the dw reduction takes.
+Prints one table; the winners go into ``config.py`` with a note in ``bench/NOTES.md``.
 
     python bench/tune_cutile.py --op backward --shapes 4096x2048 --set BWD_NARROW_BLOCKS_PER_SM=1,2 --breakdown
     python bench/tune_cutile.py --op forward --shapes 4096x1024 --set FWD_NARROW_OCCUPANCY=0,2,4
+    python bench/tune_cutile.py --op backward --hint num_worker_warps=0,8 --only rms_norm_dw_reduce --breakdown
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ except ImportError:
     import common
 
 OPS = ("forward", "backward")
+_ORIGINAL_WITH_HINTS = None  # launch.with_hints, restored after each combination
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -47,14 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("4096x4096,32768x4096"), help="MxN,...")
     parser.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], help="NAME=v1,v2")
     parser.add_argument("--hint", dest="hints", type=parse_set, action="append", default=[], help="NAME=v1,v2")
+    parser.add_argument("--only", metavar="KERNEL", help="apply the --hint values to this kernel only")
     parser.add_argument("--reps", type=int, default=10, help="timed passes over the rotating inputs (median)")
     parser.add_argument("--breakdown", action="store_true", help="per-kernel device time of each setting")
     return parser
-
-
-def _clear_caches(cutile) -> None:
-    for fn in (cutile._forward_config, cutile._backward_config, cutile._reduce_config):
-        fn.cache_clear()
 
 
 def _inputs(op: str, m: int, n: int, dtype: torch.dtype, device: torch.device):
@@ -100,14 +98,25 @@ def _breakdown(fn, sets) -> str:
     return "\n".join(rows)
 
 
-def _apply(config, kernels, original_kernels, names, hint_names, combo) -> str:
-    """Sets the config constants and kernel hints of one combination; returns its description."""
+def _apply(config, launch_module, names, hint_names, combo, only=None) -> str:
+    """Sets the config constants and hint overrides of one combination; returns its description."""
+    from tilegym_rms.experimental import kernel_name
+
     values = dict(zip(names + hint_names, combo, strict=True))
     for name in names:
         setattr(config, name, values[name])
-    hints = {name: values[name] or None for name in hint_names}  # 0: the compiler's own choice
-    for kname, kernel in original_kernels.items():
-        setattr(kernels, kname, kernel.replace_hints(**hints) if hints else kernel)
+    overrides = {name: values[name] for name in hint_names}
+    if overrides:
+        original = _ORIGINAL_WITH_HINTS
+
+        def with_overrides(kernel, hints):
+            # The swept values win over the config's hints; 0 removes a hint (the compiler's choice).
+            if only is not None and kernel_name(kernel) != only:
+                return original(kernel, hints)
+            merged = {**dict(hints), **overrides}
+            return original(kernel, tuple(sorted((k, v) for k, v in merged.items() if v)))
+
+        launch_module.with_hints = with_overrides
     return ", ".join(f"{k}={v}" for k, v in values.items()) or "defaults"
 
 
@@ -118,7 +127,11 @@ def main(argv=None) -> int:
         return 2
     common.ensure_repo_on_path()
     import tilegym_rms.cutile as cutile
-    from tilegym_rms.cutile import config, kernels
+    from tilegym_rms.cutile import config
+    from tilegym_rms.cutile import launch as launch_module
+
+    global _ORIGINAL_WITH_HINTS
+    _ORIGINAL_WITH_HINTS = launch_module.with_hints
 
     for name, _ in args.sets:
         if not hasattr(config, name):
@@ -135,17 +148,14 @@ def main(argv=None) -> int:
     names = [name for name, _ in args.sets]
     hint_names = [name for name, _ in args.hints]
     original = {name: getattr(config, name) for name in names}
-    # The host module looks the kernels up in ``kernels`` at every call, so hinted copies swapped in
-    # there are what it launches.
-    original_kernels = {name: k for name, k in vars(kernels).items() if hasattr(k, "replace_hints")}
     combos = list(itertools.product(*[values for _, values in args.sets + args.hints])) or [()]
     for m, n in args.shapes:
         sets, nbytes = _inputs(args.op, m, n, dtype, device)
         w = torch.randn(n, dtype=dtype, device=device)
         fn = _call(cutile, args.op, w)
         for combo in combos:
-            setting = _apply(config, kernels, original_kernels, names, hint_names, combo)
-            _clear_caches(cutile)
+            setting = _apply(config, launch_module, names, hint_names, combo, args.only)
+            cutile.clear_caches()
             try:
                 us = _time_us(timer, fn, sets, args.reps)
                 gb = common.gbps(nbytes, us)
@@ -157,9 +167,8 @@ def main(argv=None) -> int:
             finally:
                 for name, value in original.items():
                     setattr(config, name, value)
-                for kname, kernel in original_kernels.items():
-                    setattr(kernels, kname, kernel)
-                _clear_caches(cutile)
+                launch_module.with_hints = _ORIGINAL_WITH_HINTS
+                cutile.clear_caches()
             sys.stdout.flush()
         del sets
     return 0

@@ -212,8 +212,7 @@ def test_cutile_host_hands_kernels_detached_tensors(monkeypatch):
         y, rstd = cutile.forward(x, w, 1e-6, 0.0, "llama")
         cutile.backward(torch.randn(4, 8, requires_grad=True), x, w, rstd, 0.0, "llama")
     finally:
-        for cache in (cutile._forward_config, cutile._backward_config, cutile._reduce_config):
-            cache.cache_clear()
+        cutile.clear_caches()
     tensors = [a for args in seen for a in args if isinstance(a, torch.Tensor)]
     assert len(seen) == 3 and len(tensors) == 12 and not any(t.requires_grad for t in tensors)
 

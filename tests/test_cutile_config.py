@@ -15,7 +15,7 @@ def test_forward_config_invariants(m, n):
     assert cfg.tile_n & (cfg.tile_n - 1) == 0 and cfg.tile_m & (cfg.tile_m - 1) == 0
     if cfg.mode == "persistent":
         most = max(config.FWD_NARROW_BLOCKS_PER_SM, config.FWD_WIDE_BLOCKS_PER_SM, config.FWD_TINY_BLOCKS_PER_SM)
-        assert cfg.tile_n >= n and 1 <= cfg.grid <= SMS * most
+        assert cfg.tile_n + cfg.tail_n >= n and 1 <= cfg.grid <= SMS * most
         assert cfg.grid <= config.cdiv(m, cfg.tile_m)
     else:
         assert cfg.grid == m and cfg.single_tile == (cfg.tile_n >= n)
@@ -28,9 +28,12 @@ def test_forward_dispatch_thresholds():
     wide = 2 * config.FWD_MAX_SINGLE_TILE_N
     cfg = config.forward_config(65536, wide, torch.bfloat16, SMS)
     assert cfg.mode == "gather" and not cfg.single_tile and cfg.tile_n == config.FWD_CHUNK_N
-    assert config.forward_config(65536, config.FWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS).mode == "persistent"
+    cfg = config.forward_config(65536, config.FWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
+    assert cfg.mode == "gather" and cfg.single_tile and cfg.tile_n == config.FWD_MAX_SINGLE_TILE_N
+    forced = config.forward_config(65536, config.FWD_MAX_PERSISTENT_TILE_N, torch.bfloat16, SMS, mode="persistent")
+    assert forced.mode == "persistent"
     with pytest.raises(ValueError, match="mode='gather'"):
-        config.forward_config(65536, wide, torch.bfloat16, SMS, mode="persistent")
+        config.forward_config(65536, 2 * config.FWD_MAX_PERSISTENT_TILE_N, torch.bfloat16, SMS, mode="persistent")
     with pytest.raises(ValueError, match="mode must be one of"):
         config.forward_config(8, 8, torch.bfloat16, SMS, mode="fast")
 
@@ -69,7 +72,7 @@ def test_reduce_config_fills_the_sms_and_covers_n(n):
 def test_compiler_hints_follow_the_tile_width():
     """Narrow tiles get the occupancy hint; wide backward tiles one block per SM with 8 warps (NOTES
     experiments 6 and 10); a zero constant sets no hint."""
-    narrow_f = config.forward_config(65536, 4096, torch.bfloat16, SMS)
+    narrow_f = config.forward_config(8192, 4096, torch.bfloat16, SMS)  # persistent below GATHER_PREFERRED_MIN_M
     assert narrow_f.hints == (("occupancy", config.FWD_NARROW_OCCUPANCY),)
     assert narrow_f.grid == SMS * config.FWD_NARROW_BLOCKS_PER_SM
     assert config.forward_config(65536, 1024, torch.bfloat16, SMS).grid == SMS * config.FWD_TINY_BLOCKS_PER_SM
@@ -82,17 +85,39 @@ def test_compiler_hints_follow_the_tile_width():
         "occupancy": config.BWD_WIDE_OCCUPANCY,
         "num_worker_warps": config.BWD_WIDE_WORKER_WARPS,
     }
-    assert config.forward_config(8, 4096, torch.bfloat16, SMS).hints == (("occupancy", config.GATHER_WIDE_OCCUPANCY),)
-    assert config.forward_config(8, 1000, torch.bfloat16, SMS).hints == (("occupancy", config.GATHER_NARROW_OCCUPANCY),)
+
+
+def test_gather_hints_follow_the_tile_width_table():
+    table = {widest: (o, w) for widest, o, w in config.GATHER_SINGLE_TILE_HINTS}
+    assert max(table) == config.FWD_MAX_SINGLE_TILE_N  # every single-tile row finds an entry
+    for n, widest in ((1000, 2048), (2048, 2048), (3000, 4096), (5120, 8192), (16384, 16384), (20000, 32768)):
+        occupancy, warps = table[widest]
+        cfg = config.forward_config(8, n, torch.bfloat16, SMS)
+        assert cfg.mode == "gather" and cfg.single_tile
+        assert dict(cfg.hints) == {k: v for k, v in (("occupancy", occupancy), ("num_worker_warps", warps)) if v}
+    chunked = config.forward_config(8, 2 * config.FWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
+    occupancy, warps = config.GATHER_CHUNKED_HINTS
+    assert not chunked.single_tile and dict(chunked.hints) == {"occupancy": occupancy, "num_worker_warps": warps}
 
 
 def test_gather_is_preferred_at_large_m_only_for_its_measured_widths():
     big = config.GATHER_PREFERRED_MIN_M
-    for n in (2048, 8192):
+    for n in config.GATHER_PREFERRED_N:
         assert config.forward_config(big, n, torch.bfloat16, SMS).mode == "gather"
         assert config.forward_config(big // 2, n, torch.bfloat16, SMS).mode == "persistent"
-    for n in (1024, 4096, 5120, 16384):  # 5120 pads its 8192-wide tile: not measured with the gather kernel
+    for n in (1024, 5120):  # 5120 pads its 8192-wide tile: not measured with the gather kernel
         assert config.forward_config(big, n, torch.bfloat16, SMS).mode == "persistent"
+    for m in (big // 2, big):  # from GATHER_MIN_N on, at every M; padded widths below it stay persistent
+        assert config.forward_config(m, config.GATHER_MIN_N, torch.bfloat16, SMS).mode == "gather"
+        assert config.forward_config(m, 12288, torch.bfloat16, SMS).mode == "persistent"
+
+
+def test_persistent_forward_splits_only_rows_padded_to_the_split_width():
+    wide = config.forward_config(65536, 12288, torch.bfloat16, SMS, mode="persistent")
+    assert (wide.tile_n, wide.tail_n) == (8192, 4096)
+    assert config.FWD_SPLIT_MIN_TILE_N > 8192  # 5120 keeps one padded 8192-wide tile
+    narrow = config.forward_config(65536, 5120, torch.bfloat16, SMS)
+    assert narrow.mode == "persistent" and (narrow.tile_n, narrow.tail_n) == (8192, 0)
 
 
 def test_split_row_is_exact_for_common_widths_and_never_wider_than_padding():

@@ -16,7 +16,7 @@ from tilegym_rms import reference
 pytestmark = pytest.mark.gpu
 
 M_GRID = [1, 7, 128, 4097, 65536]
-N_GRID = [1, 64, 123, 512, 1000, 2001, 4096, 5120, 7168, 16384, 65536]
+N_GRID = [1, 64, 123, 512, 1000, 2001, 4096, 5120, 7168, 16384, 20000, 32768, 65536]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 Y_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 DW_TOL = 1e-2
@@ -117,7 +117,7 @@ def test_casting_weight_offset(m, n, dtype, casting_mode, weight, offset):
 
 
 @pytest.mark.parametrize("mode", ["gather", "persistent"])
-@pytest.mark.parametrize("m,n", [(1, 64), (4097, 1000), (7, 4096), (65536, 5120), (4097, 8192)])
+@pytest.mark.parametrize("m,n", [(1, 64), (4097, 1000), (7, 4096), (65536, 5120), (4097, 8192), (4097, 12288)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_forced_forward_mode(m, n, dtype, mode):
     _check(m, n, dtype, mode=mode)
@@ -174,10 +174,12 @@ def test_forward_mode_chosen_by_heuristic():
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     small = torch.empty(sms, 4096, device="cuda", dtype=torch.bfloat16)
-    large = torch.empty(65536, 4096, device="cuda", dtype=torch.bfloat16)
+    large = torch.empty(65536, 1024, device="cuda", dtype=torch.bfloat16)
+    large_preferred = torch.empty(65536, 4096, device="cuda", dtype=torch.bfloat16)  # GATHER_PREFERRED_N
     wide = torch.empty(4096, 65536, device="cuda", dtype=torch.bfloat16)
     assert cutile.forward_config(small).mode == "gather"
     assert cutile.forward_config(large).mode == "persistent"
+    assert cutile.forward_config(large_preferred).mode == "gather"
     assert cutile.forward_config(wide).mode == "gather" and not cutile.forward_config(wide).single_tile
 
 

@@ -21,24 +21,24 @@ def check_tensor(name: str, t) -> None:
 
 
 def check_inputs(x, weight, eps, offset, casting_mode) -> int:
-    """Validates the arguments shared by every entry point; returns the hidden size N."""
-    check_tensor("x", x)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (the normalized last dim); got a 0-dim tensor")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor ({_dtype_names(KERNEL_DTYPES)}), got {x.dtype}")
+    """Validates the arguments shared by every entry point; returns the hidden size N.
+
+    Runs on every call, so valid arguments pass one combined test each; the messages are built only
+    for arguments that fail it."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not x.is_floating_point():
+        _explain_x(x)
     n = x.shape[-1]
-    if weight is not None:
-        check_tensor("weight", weight)
-        if weight.dim() != 1 or weight.shape[0] != n:
-            raise ValueError(f"weight must have shape ({n},) (the last dim of x), got {tuple(weight.shape)}")
-        if not weight.is_floating_point():
-            raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
-        if weight.device != x.device:
-            raise ValueError(f"x and weight must be on the same device, got x on {x.device}, weight on {weight.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or math.isnan(eps) or eps < 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
-    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+    if weight is not None and (
+        not isinstance(weight, torch.Tensor)
+        or weight.dim() != 1
+        or weight.shape[0] != n
+        or not weight.is_floating_point()
+        or weight.device != x.device
+    ):
+        _explain_weight(weight, x, n)
+    if type(eps) is not float or not eps >= 0.0:  # NaN fails ``>=``; ints take the slow path
+        _check_eps(eps)
+    if type(offset) is not float and (isinstance(offset, bool) or not isinstance(offset, (int, float))):
         raise TypeError(f"offset must be a number, got {type(offset).__name__}")
     if weight is None and offset != 0:
         raise ValueError(
@@ -47,6 +47,27 @@ def check_inputs(x, weight, eps, offset, casting_mode) -> int:
     if casting_mode not in CASTING_MODES:
         raise ValueError(f"casting_mode must be one of {', '.join(map(repr, CASTING_MODES))}, got {casting_mode!r}")
     return n
+
+
+def _explain_x(x) -> None:
+    check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the normalized last dim); got a 0-dim tensor")
+    raise TypeError(f"x must be a floating-point tensor ({_dtype_names(KERNEL_DTYPES)}), got {x.dtype}")
+
+
+def _explain_weight(weight, x, n: int) -> None:
+    check_tensor("weight", weight)
+    if weight.dim() != 1 or weight.shape[0] != n:
+        raise ValueError(f"weight must have shape ({n},) (the last dim of x), got {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
+    raise ValueError(f"x and weight must be on the same device, got x on {x.device}, weight on {weight.device}")
+
+
+def _check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or math.isnan(eps) or eps < 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
 
 
 def check_dtype_for_backend(x, backend_name: str, supported) -> None:

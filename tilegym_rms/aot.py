@@ -21,8 +21,9 @@ from .cutile import config
 
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
 # Hidden sizes that reach every tile shape class: tiny, non-power-of-two, the common LLM widths, rows
-# split into a tile and a tail tile (5120, 12288), and rows wider than one tile (chunked kernels).
-REPRESENTATIVE_N = (64, 1000, 4096, 5120, 8192, 12288, 16384, 65536)
+# split into a tile and a tail tile (5120, 12288), the widest single tile (32768), and rows wider than one
+# tile (chunked kernels).
+REPRESENTATIVE_N = (64, 1000, 4096, 5120, 8192, 12288, 16384, 32768, 65536)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Large and small M reach both forward modes; SM count of an H100 (the heuristics scale with it).
 REPRESENTATIVE_M = (128, 65536)
@@ -75,7 +76,7 @@ def variants() -> list[Variant]:
                             continue  # the cast / no-weight axes are covered once, on bf16
                         x2, w1 = _arr(dtype, 2), _arr(dtype, 1)
                         if f.mode == "persistent":
-                            args = (x2, w1, x2, _arr(_F32, 1), _S, _S, f.tile_m, f.tile_n, cast, has_w)
+                            args = (x2, w1, x2, _arr(_F32, 1), _S, _S, f.tile_m, f.tile_n, f.tail_n, cast, has_w)
                             add("rms_norm_fwd_persistent", *args, hints=f.hints)
                             continue
                         for store in (True, False):  # without rstd, y stands in for it

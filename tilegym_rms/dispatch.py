@@ -63,7 +63,7 @@ def resolve_backend(device: torch.device, requested: str | None = None) -> str:
 
     Cached per (device, requested): ``TILEGYM_RMS_BACKEND`` is read when a device is first seen,
     which keeps it off the per-call path (call ``_clear_cache()`` after changing it)."""
-    key = (device.type, device.index, requested)
+    key = (device, requested)
     name = _resolved.get(key)
     if name is not None:
         return name

@@ -38,18 +38,20 @@ def _backend(x: torch.Tensor, name: str):
 
 
 def _dense_weight(weight):
-    return weight.contiguous() if weight is not None else None
+    # is_contiguous() first: contiguous() is a dispatcher call even when it returns its input.
+    return weight if weight is None or weight.is_contiguous() else weight.contiguous()
 
 
 def _forward(x, weight, eps, offset, casting_mode, backend, mode=None, store_rstd=True):
     """``(y, rstd)`` with ``y`` shaped like ``x`` and ``rstd`` shaped ``x.shape[:-1]`` (or None
     when not ``store_rstd``: no backward will follow)."""
     module = _backend(x, backend)
-    n = x.shape[-1]
-    kwargs = {"mode": mode} if mode is not None else {}
-    w = _dense_weight(weight)
-    y, rstd = module.forward(_rows(x, n), w, eps, offset, casting_mode, store_rstd=store_rstd, **kwargs)
-    if x.dim() == 2:
+    x2, w = _rows(x, x.shape[-1]), _dense_weight(weight)
+    if mode is None:  # only the cutile backend takes a mode
+        y, rstd = module.forward(x2, w, eps, offset, casting_mode, store_rstd=store_rstd)
+    else:
+        y, rstd = module.forward(x2, w, eps, offset, casting_mode, store_rstd=store_rstd, mode=mode)
+    if x2 is x:
         return y, rstd
     return y.view(x.shape), (rstd.view(x.shape[:-1]) if rstd is not None else None)
 

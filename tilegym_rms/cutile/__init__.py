@@ -62,8 +62,7 @@ def _device_index(device: torch.device) -> int:
 
 @functools.cache
 def _kernels():
-    """The kernel module, imported on first launch (it needs ``cuda.tile``). Kernels are looked up
-    in it at every call, so a tuning script may swap in hinted copies."""
+    """The kernel module, imported on first launch (it needs ``cuda.tile``)."""
     from . import kernels
 
     return kernels
@@ -106,6 +105,12 @@ def _reduce_config(device_index, n):
     return config.reduce_config(n, num_sms(device_index))
 
 
+def clear_caches() -> None:
+    """Forget the cached configurations and launches (after a tuning script changed :mod:`.config`)."""
+    for cache in (_forward_config, _backward_config, _reduce_config, _forward_launch):
+        cache.cache_clear()
+
+
 def forward_config(x: torch.Tensor, mode: str | None = None) -> config.ForwardConfig:
     """The forward configuration the dispatcher picks for ``x`` (M, N); tests assert on it."""
     m, n = x.shape
@@ -117,6 +122,31 @@ def _weight_arg(weight, x):
     return _plain(weight) if weight is not None else x.new_empty((1,))
 
 
+@dataclasses.dataclass(frozen=True)
+class _ForwardLaunch:
+    """Everything of one forward launch but its tensors and run-time scalars, cached per call signature
+    so that a call does one lookup instead of rebuilding it (host time is the latency at small M)."""
+
+    kernel: object
+    grid: tuple[int]
+    hints: config.Hints
+    constants: tuple  # the kernel's ct.Constant arguments, in order
+    allocates_rstd: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def _forward_launch(device_index, m, n, dtype, mode, casting_mode, has_w, store_rstd) -> _ForwardLaunch:
+    k = _kernels()
+    cfg = _forward_config(device_index, m, n, dtype, mode)
+    cast = k.CAST_CODES[casting_mode]
+    if cfg.mode == "gather":
+        constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd)
+        return _ForwardLaunch(k.rms_norm_fwd_gather, (m,), cfg.hints, constants, store_rstd)
+    # The persistent kernel always stores rstd (see kernels.STORE_RSTD).
+    constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w)
+    return _ForwardLaunch(k.rms_norm_fwd_persistent, (cfg.grid,), cfg.hints, constants, True)
+
+
 def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None):
     """``(y, rstd)`` for a 2-D ``x`` (``rstd`` None unless ``store_rstd``); see
     :func:`tilegym_rms.dispatch.Backend.forward`."""
@@ -124,20 +154,12 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None)
     y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
     if m == 0:
         return y, (x.new_empty((0,), dtype=torch.float32) if store_rstd else None)
-    k = _kernels()
     dev = x.get_device()
-    cfg = _forward_config(dev, m, n, x.dtype, mode)
-    cast = k.CAST_CODES[casting_mode]
-    w, has_w = _weight_arg(weight, x), weight is not None
-    if cfg.mode == "gather":
-        rstd = x.new_empty((m,), dtype=torch.float32) if store_rstd else None
-        args = (_plain(x), w, y, rstd if store_rstd else y, float(eps), float(offset))
-        args += (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd)
-        _launch()(k.rms_norm_fwd_gather, (m,), args, dev, cfg.hints)
-        return y, rstd
-    rstd = x.new_empty((m,), dtype=torch.float32)  # always stored here (see kernels.STORE_RSTD)
-    args = (_plain(x), w, y, rstd, float(eps), float(offset), cfg.tile_m, cfg.tile_n, cast, has_w)
-    _launch()(k.rms_norm_fwd_persistent, (cfg.grid,), args, dev, cfg.hints)
+    plan = _forward_launch(dev, m, n, x.dtype, mode, casting_mode, weight is not None, store_rstd)
+    rstd = x.new_empty((m,), dtype=torch.float32) if plan.allocates_rstd else None
+    # Without rstd the kernel stores none; y stands in for the argument.
+    args = (_plain(x), _weight_arg(weight, x), y, y if rstd is None else rstd, float(eps), float(offset))
+    _launch()(plan.kernel, plan.grid, args + plan.constants, dev, plan.hints)
     return y, (rstd if store_rstd else None)
 
 

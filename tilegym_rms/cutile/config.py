@@ -19,14 +19,19 @@ from .._tiling import cdiv, next_pow2, prev_pow2
 FORWARD_MODES = ("gather", "persistent")
 
 # Widest row kept in registers as one tile; wider rows take the column-chunked kernels. Measured
-# (bench/NOTES.md): the forward streams at 95% of copy bandwidth with one 16384-wide bf16 row per tile
-# (H100); the backward, with x and dy of a 16384-wide row live, beats its two-pass chunked kernels
-# (which read x and dy twice) once it has 8 warps per block (BWD_WIDE_WORKER_WARPS; H200: 67% vs 61%).
-FWD_MAX_SINGLE_TILE_N = 16384
+# (bench/NOTES.md): the forward streams at 91% of copy bandwidth with one 32768-wide bf16 row per block
+# of 8 warps (H100, experiment 17; 68% chunked); the backward, with x and dy of a 16384-wide row live,
+# beats its two-pass chunked kernels (which read x and dy twice) once it has 8 warps per block
+# (BWD_WIDE_WORKER_WARPS; H200: 67% vs 61%). The persistent forward (which the dispatcher no longer
+# picks for 16384-wide rows, see GATHER_MIN_N) takes tiles up to FWD_MAX_PERSISTENT_TILE_N.
+FWD_MAX_SINGLE_TILE_N = 32768
+FWD_MAX_PERSISTENT_TILE_N = 16384
 BWD_MAX_SINGLE_TILE_N = 16384
 # Column chunk of the chunked kernels, and rows per tile in the chunked backward (4 x 4096 keeps
-# enough bytes in flight per block; 1 x 4096 reached only 28% of copy bandwidth in bf16).
-FWD_CHUNK_N = 8192
+# enough bytes in flight per block; 1 x 4096 reached only 28% of copy bandwidth in bf16). Forward
+# chunks of 16384 with one 8-warp block per SM: 4096 x 65536 bf16 at 80% against 68% with 8192-wide
+# chunks and 4 blocks (experiment 17): fewer rows in flight keep the second read of each row in L2.
+FWD_CHUNK_N = 16384
 BWD_CHUNK_N = 4096
 BWD_CHUNK_TILE_M = 4
 # Elements per tile that the forward / backward aim for (enough bytes in flight per block). Wide
@@ -34,6 +39,10 @@ BWD_CHUNK_TILE_M = 4
 # 32768 x 8192 bf16 on H200 against 75% with one row (experiment 11); narrow ones lose with 16384
 # (4096 x 2048: 34 us against 22 us, experiment 7).
 FWD_TILE_ELEMS = 16384
+# The persistent forward holds rows as a tile plus a tail tile (see split_row) once the padded tile
+# would be this wide: 12288 = 8192 + 4096 gained 1-4 points over one 16384-wide tile (bf16 and fp32),
+# while 5120 = 4096 + 1024 lost 6-14 points against one 8192-wide tile (H100, experiment 17).
+FWD_SPLIT_MIN_TILE_N = 16384
 BWD_NARROW_TILE_ELEMS = 8192
 BWD_WIDE_TILE_ELEMS = 16384
 MAX_TILE_M = 16
@@ -69,18 +78,24 @@ BWD_WIDE_WORKER_WARPS = 8
 # with so few rows, a block per row spreads them widest.
 GATHER_MAX_ROWS_PER_SM = 2
 # Row widths (full tiles; padded widths were not measured) at which the gather kernel beats the
-# persistent one even at large M (from GATHER_PREFERRED_MIN_M rows). H100 bf16, experiment 13:
-# 32768 x 2048 97% of copy bandwidth against 89%, 32768 x 8192 100% against 93%; at 1024 and 4096 the
-# persistent kernel was level or ahead, and at 4096 rows (one wave of it) ahead at every width.
-GATHER_PREFERRED_N = (2048, 8192)
+# persistent one at large M (from GATHER_PREFERRED_MIN_M rows). H100 bf16, experiments 13 and 17:
+# 32768 x 2048 97% of copy bandwidth against 89%, 32768 x 4096 100% against 93%, 32768 x 8192 100%
+# against 93%; at 1024 the persistent kernel was ahead, and at 4096 rows (one wave of it) ahead at
+# 2048-8192.
+GATHER_PREFERRED_N = (2048, 4096, 8192)
 GATHER_PREFERRED_MIN_M = 16384
-# Occupancy hint of the gather kernel by row tile (0: the compiler's choice). Its blocks are
-# short-lived, so more of them per SM keep more rows in flight: occupancy 4 took 4096 x 32768 bf16 from
-# 45% to 73% of copy bandwidth on H200 (experiment 9); rows of up to 2048 columns want 8 (experiment 13:
-# 32768 x 2048 at 70% with 4, 97% with 8), wider ones 4 (32768 x 8192: 38% with 8, 100% with 4).
-GATHER_NARROW_TILE_N = 2048
-GATHER_NARROW_OCCUPANCY = 8
-GATHER_WIDE_OCCUPANCY = 4
+# From this row width on the gather kernel is used at every M: 4096 x 16384 bf16 at 95-96% against
+# 93% persistent, 32768 x 16384 at 100% against 95% (H100, experiment 17). Padded widths below it stay
+# persistent: 12288 (8192 + 4096 split) beat the 16384-wide gather tile by 11-12 points in bf16 (H200).
+GATHER_MIN_N = 16384
+# Compiler hints of the gather kernel, ``(occupancy, num_worker_warps)`` (0: the compiler's choice),
+# by the widest single tile they apply to. Its blocks are short-lived, so several per SM keep rows in
+# flight, as many as the registers of a whole row allow (H100 bf16, experiments 13 and 17, % of copy):
+# 2048: occupancy 8 (32768 x 2048: 97% against 70% with 4); 4096: 8 with 8 warps (100% against 91%
+# with 4); 8192: 4 (100% against 38% with 8); 16384: 2 (95-100% against 67-69% with 4); 32768: one
+# 8-warp block (151 registers a thread, no spill; 91%).
+GATHER_SINGLE_TILE_HINTS = ((2048, 8, 0), (4096, 8, 8), (8192, 4, 0), (16384, 2, 0), (32768, 1, 8))
+GATHER_CHUNKED_HINTS = (1, 8)  # FWD_CHUNK_N-wide chunks, see there
 
 # Compiler hints of one kernel launch, as sorted ``(name, value)`` pairs (hashable: a cache key).
 Hints = tuple[tuple[str, int], ...]
@@ -114,6 +129,7 @@ class ForwardConfig:
     single_tile: bool  # gather only: the row fits one tile
     grid: int
     hints: Hints = ()  # compiler hints (occupancy, num_worker_warps)
+    tail_n: int = 0  # persistent: width of the tail tile after the first TILE_N columns (0: none)
 
 
 @dataclass(frozen=True)
@@ -154,26 +170,38 @@ def split_row(n: int) -> tuple[int, int]:
 def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str | None = None) -> ForwardConfig:
     """Chooses the forward kernel and its tiles. ``mode`` forces a kernel ("gather" / "persistent")."""
     del dtype  # one table for all dtypes for now; the key keeps room for per-dtype tuning
-    fits = next_pow2(n) <= FWD_MAX_SINGLE_TILE_N
-    tile_n = next_pow2(n) if fits else FWD_CHUNK_N
+    padded = next_pow2(n)
+    fits = padded <= FWD_MAX_SINGLE_TILE_N
     if mode is None:
         few_rows = m <= GATHER_MAX_ROWS_PER_SM * num_sms
-        gather_wins = n in GATHER_PREFERRED_N and m >= GATHER_PREFERRED_MIN_M
-        mode = "gather" if not fits or few_rows or gather_wins else "persistent"
+        gather_wins = n >= GATHER_MIN_N or (n in GATHER_PREFERRED_N and m >= GATHER_PREFERRED_MIN_M)
+        mode = "gather" if few_rows or gather_wins else "persistent"
     if mode not in FORWARD_MODES:
         raise ValueError(f"mode must be one of {FORWARD_MODES} or None, got {mode!r}")
-    if mode == "persistent" and not fits:
-        raise ValueError(
-            f"mode='persistent' needs rows of at most {FWD_MAX_SINGLE_TILE_N} elements (N={n}); use mode='gather'"
-        )
     if mode == "gather":
-        occupancy = GATHER_NARROW_OCCUPANCY if tile_n <= GATHER_NARROW_TILE_N else GATHER_WIDE_OCCUPANCY
-        return ForwardConfig("gather", 1, tile_n, fits, m, _hints(occupancy=occupancy))
-    tile_m = _tile_m(tile_n, FWD_TILE_ELEMS)
-    blocks, hints = _blocks_and_hints(tile_n, "FWD")
-    if tile_n <= FWD_TINY_TILE_N:
+        tile_n = padded if fits else FWD_CHUNK_N
+        return ForwardConfig("gather", 1, tile_n, fits, m, _gather_hints(tile_n, fits))
+    if padded > FWD_MAX_PERSISTENT_TILE_N:
+        raise ValueError(
+            f"mode='persistent' needs rows of at most {FWD_MAX_PERSISTENT_TILE_N} elements (N={n}); use mode='gather'"
+        )
+    tile_n, tail_n = split_row(n) if padded >= FWD_SPLIT_MIN_TILE_N else (padded, 0)
+    row = tile_n + tail_n
+    tile_m = _tile_m(row, FWD_TILE_ELEMS)
+    blocks, hints = _blocks_and_hints(row, "FWD")
+    if row <= FWD_TINY_TILE_N:
         blocks = FWD_TINY_BLOCKS_PER_SM
-    return ForwardConfig("persistent", tile_m, tile_n, True, min(num_sms * blocks, cdiv(m, tile_m)), hints)
+    grid = min(num_sms * blocks, cdiv(m, tile_m))
+    return ForwardConfig("persistent", tile_m, tile_n, True, grid, hints, tail_n)
+
+
+def _gather_hints(tile_n: int, single_tile: bool) -> Hints:
+    """Occupancy and warps of the gather kernel (GATHER_SINGLE_TILE_HINTS, GATHER_CHUNKED_HINTS)."""
+    if single_tile:  # FWD_MAX_SINGLE_TILE_N is the table's last width, so a row always finds its entry
+        occupancy, warps = next((o, w) for widest, o, w in GATHER_SINGLE_TILE_HINTS if tile_n <= widest)
+    else:
+        occupancy, warps = GATHER_CHUNKED_HINTS
+    return _hints(occupancy=occupancy, num_worker_warps=warps)
 
 
 def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> BackwardConfig:

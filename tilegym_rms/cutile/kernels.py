@@ -52,6 +52,11 @@ def _effective_weight(w, chunk, offset, TILE_N, HAS_W, CAST, dtype):
     return ct.full((1, TILE_N), 1.0, dtype=_F32)
 
 
+def _sum_sq(xf):
+    """Per-row sum of squares of an fp32 tile, as a ``(rows, 1)`` column."""
+    return ct.sum(xf * xf, axis=1, keepdims=True)
+
+
 def _rstd_from_sum_sq(sum_sq, n, eps, CAST, dtype):
     """``1 / sqrt(sum_sq / n + eps)``; in ``none`` mode the mean and rstd are rounded to ``dtype``."""
     mean_sq = sum_sq / n
@@ -92,7 +97,7 @@ def rms_norm_fwd_gather(
     n = x.shape[1]
     if SINGLE_TILE:
         xf = _load_f32(x, (row, 0), (1, TILE_N), 10)
-        r = _rstd_from_sum_sq(ct.sum(xf * xf, axis=1, keepdims=True), n, eps, CAST, x.dtype)
+        r = _rstd_from_sum_sq(_sum_sq(xf), n, eps, CAST, x.dtype)
         wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, x.dtype)
         ct.store(y, (row, 0), _normalize(xf, r, wt, CAST, y.dtype), allow_tma=False)
     else:
@@ -120,17 +125,28 @@ def rms_norm_fwd_persistent(
     offset,
     TILE_M: ct.Constant[int],
     TILE_N: ct.Constant[int],
+    TAIL_N: ct.Constant[int],
     CAST: ct.Constant[int],
     HAS_W: ct.Constant[bool],
 ):
     """Static persistent: the weight is loaded once per block, which then grid-strides over
-    ``TILE_M x TILE_N`` row tiles (``TILE_N >= N``)."""
+    ``TILE_M x TILE_N`` row tiles (``TILE_N >= N``), or over rows held as a tile plus a narrower tail
+    tile (``TAIL_N > 0``: columns ``[TILE_N, TILE_N + TAIL_N)``, as in the backward)."""
     n = x.shape[1]
     wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, x.dtype)
+    if TAIL_N:
+        tail = TILE_N // TAIL_N  # the tail tile's column index
+        wt_tail = _effective_weight(w, tail, offset, TAIL_N, HAS_W, CAST, x.dtype)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
         xf = _load_f32(x, (t, 0), (TILE_M, TILE_N), 10)
-        r = _rstd_from_sum_sq(ct.sum(xf * xf, axis=1, keepdims=True), n, eps, CAST, x.dtype)
+        sum_sq = _sum_sq(xf)
+        if TAIL_N:
+            xf_tail = _load_f32(x, (t, tail), (TILE_M, TAIL_N), 10)
+            sum_sq = sum_sq + _sum_sq(xf_tail)
+        r = _rstd_from_sum_sq(sum_sq, n, eps, CAST, x.dtype)
         ct.store(y, (t, 0), _normalize(xf, r, wt, CAST, y.dtype), allow_tma=False, latency=3)
+        if TAIL_N:
+            ct.store(y, (t, tail), _normalize(xf_tail, r, wt_tail, CAST, y.dtype), allow_tma=False, latency=3)
         ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)), allow_tma=False)
 
 
