@@ -100,23 +100,22 @@ def test_gather_hints_follow_the_tile_width_table():
     assert not chunked.single_tile and dict(chunked.hints) == {"occupancy": occupancy, "num_worker_warps": warps}
 
 
-def test_gather_is_preferred_at_large_m_only_for_its_measured_widths():
+def test_gather_is_preferred_at_large_m_from_its_measured_width():
     big = config.GATHER_PREFERRED_MIN_M
-    for n in config.GATHER_PREFERRED_N:
+    for n in (config.GATHER_PREFERRED_MIN_N, 4096, 5120, 7168, config.GATHER_PREFERRED_MAX_N):
         assert config.forward_config(big, n, torch.bfloat16, SMS).mode == "gather"
         assert config.forward_config(big // 2, n, torch.bfloat16, SMS).mode == "persistent"
-    for n in (1024, 5120):  # 5120 pads its 8192-wide tile: not measured with the gather kernel
+    for n in (config.GATHER_PREFERRED_MIN_N - 1, config.GATHER_PREFERRED_MAX_N + 1, 12288):
         assert config.forward_config(big, n, torch.bfloat16, SMS).mode == "persistent"
-    for m in (big // 2, big):  # from GATHER_MIN_N on, at every M; padded widths below it stay persistent
+    for m in (big // 2, big):  # from GATHER_MIN_N on, at every M
         assert config.forward_config(m, config.GATHER_MIN_N, torch.bfloat16, SMS).mode == "gather"
-        assert config.forward_config(m, 12288, torch.bfloat16, SMS).mode == "persistent"
 
 
 def test_persistent_forward_splits_only_rows_padded_to_the_split_width():
     wide = config.forward_config(65536, 12288, torch.bfloat16, SMS, mode="persistent")
     assert (wide.tile_n, wide.tail_n) == (8192, 4096)
     assert config.FWD_SPLIT_MIN_TILE_N > 8192  # 5120 keeps one padded 8192-wide tile
-    narrow = config.forward_config(65536, 5120, torch.bfloat16, SMS)
+    narrow = config.forward_config(8192, 5120, torch.bfloat16, SMS)
     assert narrow.mode == "persistent" and (narrow.tile_n, narrow.tail_n) == (8192, 0)
 
 

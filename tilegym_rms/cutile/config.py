@@ -77,12 +77,13 @@ BWD_WIDE_WORKER_WARPS = 8
 # The forward uses the gather kernel (one row per block) while M is at most this many waves of SMs:
 # with so few rows, a block per row spreads them widest.
 GATHER_MAX_ROWS_PER_SM = 2
-# Row widths (full tiles; padded widths were not measured) at which the gather kernel beats the
-# persistent one at large M (from GATHER_PREFERRED_MIN_M rows). H100 bf16, experiments 13 and 17:
-# 32768 x 2048 97% of copy bandwidth against 89%, 32768 x 4096 100% against 93%, 32768 x 8192 100%
-# against 93%; at 1024 the persistent kernel was ahead, and at 4096 rows (one wave of it) ahead at
-# 2048-8192.
-GATHER_PREFERRED_N = (2048, 4096, 8192)
+# From GATHER_PREFERRED_MIN_M rows on, rows of GATHER_PREFERRED_MIN_N to GATHER_PREFERRED_MAX_N columns
+# take the gather kernel (wider ones below GATHER_MIN_N, e.g. 12288, keep the split persistent tile). H100, % of copy bandwidth at 32768 rows, gather against persistent (experiments 13, 17, 18):
+# bf16 2048 97/89, 4096 100/93, 6144 97/91, 7168 100/92, 8192 100/93, 5120 90/92; fp32 5120 98/91,
+# 7168 99/95. At 1024 columns the persistent kernel is ahead (86/89), and at 4096 rows (one wave of
+# it) level or ahead at 4096-8192 columns.
+GATHER_PREFERRED_MIN_N = 2048
+GATHER_PREFERRED_MAX_N = 8192
 GATHER_PREFERRED_MIN_M = 16384
 # From this row width on the gather kernel is used at every M: 4096 x 16384 bf16 at 95-96% against
 # 93% persistent, 32768 x 16384 at 100% against 95% (H100, experiment 17). Padded widths below it stay
@@ -174,7 +175,8 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
     fits = padded <= FWD_MAX_SINGLE_TILE_N
     if mode is None:
         few_rows = m <= GATHER_MAX_ROWS_PER_SM * num_sms
-        gather_wins = n >= GATHER_MIN_N or (n in GATHER_PREFERRED_N and m >= GATHER_PREFERRED_MIN_M)
+        preferred = GATHER_PREFERRED_MIN_N <= n <= GATHER_PREFERRED_MAX_N and m >= GATHER_PREFERRED_MIN_M
+        gather_wins = preferred or n >= GATHER_MIN_N
         mode = "gather" if few_rows or gather_wins else "persistent"
     if mode not in FORWARD_MODES:
         raise ValueError(f"mode must be one of {FORWARD_MODES} or None, got {mode!r}")
