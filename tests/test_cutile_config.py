@@ -102,9 +102,13 @@ def test_gather_hints_follow_the_tile_width_table():
 
 def test_gather_is_preferred_at_large_m_from_its_measured_width():
     big = config.GATHER_PREFERRED_MIN_M
-    for n in (config.GATHER_PREFERRED_MIN_N, 4096, 5120, 7168, config.GATHER_PREFERRED_MAX_N):
+    for n in (config.GATHER_PREFERRED_MIN_N, 4096, 6144, 7168, config.GATHER_PREFERRED_MAX_N):
         assert config.forward_config(big, n, torch.bfloat16, SMS).mode == "gather"
         assert config.forward_config(big // 2, n, torch.bfloat16, SMS).mode == "persistent"
+    # 5120 fills 62.5% of its 8192-wide tile: gather in fp32 only (GATHER_PREFERRED_MIN_FILL_16BIT)
+    assert config.forward_config(big, 5120, torch.float32, SMS).mode == "gather"
+    for dtype in (torch.bfloat16, torch.float16):
+        assert config.forward_config(big, 5120, dtype, SMS).mode == "persistent"
     for n in (config.GATHER_PREFERRED_MIN_N - 1, config.GATHER_PREFERRED_MAX_N + 1, 12288):
         assert config.forward_config(big, n, torch.bfloat16, SMS).mode == "persistent"
     for m in (big // 2, big):  # from GATHER_MIN_N on, at every M

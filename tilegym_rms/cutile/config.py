@@ -84,6 +84,10 @@ GATHER_MAX_ROWS_PER_SM = 2
 # it) level or ahead at 4096-8192 columns.
 GATHER_PREFERRED_MIN_N = 2048
 GATHER_PREFERRED_MAX_N = 8192
+# ...except 16-bit rows that fill less than this share of their padded tile: bf16 5120 (62.5%) ran at
+# 78-91% of copy bandwidth with the gather kernel, varying between processes, and at 92% persistent
+# (experiment 18). fp32 5120 keeps the gather kernel (98-99% against 91%).
+GATHER_PREFERRED_MIN_FILL_16BIT = 0.75
 GATHER_PREFERRED_MIN_M = 16384
 # From this row width on the gather kernel is used at every M: 4096 x 16384 bf16 at 95-96% against
 # 93% persistent, 32768 x 16384 at 100% against 95% (H100, experiment 17). Padded widths below it stay
@@ -170,12 +174,13 @@ def split_row(n: int) -> tuple[int, int]:
 
 def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str | None = None) -> ForwardConfig:
     """Chooses the forward kernel and its tiles. ``mode`` forces a kernel ("gather" / "persistent")."""
-    del dtype  # one table for all dtypes for now; the key keeps room for per-dtype tuning
     padded = next_pow2(n)
     fits = padded <= FWD_MAX_SINGLE_TILE_N
     if mode is None:
         few_rows = m <= GATHER_MAX_ROWS_PER_SM * num_sms
         preferred = GATHER_PREFERRED_MIN_N <= n <= GATHER_PREFERRED_MAX_N and m >= GATHER_PREFERRED_MIN_M
+        if dtype.itemsize == 2 and n < GATHER_PREFERRED_MIN_FILL_16BIT * padded:
+            preferred = False
         gather_wins = preferred or n >= GATHER_MIN_N
         mode = "gather" if few_rows or gather_wins else "persistent"
     if mode not in FORWARD_MODES:
