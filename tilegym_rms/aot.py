@@ -55,65 +55,65 @@ _S = ("scalar",)
 _F32 = torch.float32
 
 
-def variants() -> list[Variant]:
-    """The distinct kernel variants reachable from the dispatcher over the representative grid."""
+def variants_for(
+    m: int, n: int, dtype, num_sms: int = REFERENCE_SMS, modes=(None, *config.FORWARD_MODES), every_path: bool = True
+) -> list[Variant]:
+    """The kernel variants the dispatcher launches for an ``(m, n)`` input of ``dtype`` (forward in each of
+    ``modes``, backward and the dw reduction): with ``every_path``, every casting mode, the no-weight and
+    the no-rstd variants on bf16; otherwise only a training call's (llama casting, weight, rstd stored)."""
     found: dict[Variant, None] = {}
 
     def add(name, *params, hints=()):
         found.setdefault(Variant(name, params, hints), None)
 
+    for mode in modes:
+        try:
+            f = config.forward_config(m, n, dtype, num_sms, mode)
+        except ValueError:
+            continue  # mode not available for this N
+        # Casting modes and the no-weight variant on fp32 weights; weight dtype = x dtype.
+        for cast, has_w in ((0, True), (1, True), (2, True), (0, False)):
+            if (dtype != torch.bfloat16 or not every_path) and (cast, has_w) != (0, True):
+                continue  # the cast / no-weight axes are covered once, on bf16
+            x2, w1 = _arr(dtype, 2), _arr(dtype, 1)
+            if f.mode == "persistent":
+                args = (x2, w1, x2, _arr(_F32, 1), _S, _S, f.tile_m, f.tile_n, f.tail_n, cast, has_w)
+                add("rms_norm_fwd_persistent", *args, hints=f.hints)
+                continue
+            for store in (True, False) if every_path else (True,):  # without rstd, y stands in for it
+                rstd = _arr(_F32, 1) if store else x2
+                args = (x2, w1, x2, rstd, _S, _S, f.tile_n, cast, has_w, f.single_tile, store)
+                add("rms_norm_fwd_gather", *args, hints=f.hints)
+    b = config.backward_config(m, n, dtype, num_sms)
+    for has_w in (True, False) if every_path else (True,):
+        x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
+        if b.mode == "fused":
+            args = (x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, b.tail_n, has_w)
+            add("rms_norm_bwd_persistent", *args, hints=b.hints)
+        else:
+            args = (x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w)
+            add("rms_norm_bwd_row_dot", *args, hints=b.hints)
+            args = (x2, x2, w1, r1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, has_w)
+            add("rms_norm_bwd_column_chunk", *args, hints=b.hints)
+    red = config.reduce_config(n, num_sms)
+    add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)
+    return list(found)
+
+
+def variants() -> list[Variant]:
+    """The distinct kernel variants reachable from the dispatcher over the representative grid."""
+    found: dict[Variant, None] = {}
     for dtype in DTYPES:
         for n in REPRESENTATIVE_N:
             for m in REPRESENTATIVE_M:
-                for mode in (None, *config.FORWARD_MODES):
-                    try:
-                        f = config.forward_config(m, n, dtype, REFERENCE_SMS, mode)
-                    except ValueError:
-                        continue  # mode not available for this N
-                    # Casting modes and the no-weight variant on fp32 weights; weight dtype = x dtype.
-                    for cast, has_w in ((0, True), (1, True), (2, True), (0, False)):
-                        if dtype != torch.bfloat16 and (cast, has_w) != (0, True):
-                            continue  # the cast / no-weight axes are covered once, on bf16
-                        x2, w1 = _arr(dtype, 2), _arr(dtype, 1)
-                        if f.mode == "persistent":
-                            args = (x2, w1, x2, _arr(_F32, 1), _S, _S, f.tile_m, f.tile_n, f.tail_n, cast, has_w)
-                            add("rms_norm_fwd_persistent", *args, hints=f.hints)
-                            continue
-                        for store in (True, False):  # without rstd, y stands in for it
-                            rstd = _arr(_F32, 1) if store else x2
-                            args = (x2, w1, x2, rstd, _S, _S, f.tile_n, cast, has_w, f.single_tile, store)
-                            add("rms_norm_fwd_gather", *args, hints=f.hints)
-                b = config.backward_config(m, n, dtype, REFERENCE_SMS)
-                for has_w in (True, False):
-                    x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
-                    if b.mode == "fused":
-                        args = (x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, b.tail_n, has_w)
-                        add("rms_norm_bwd_persistent", *args, hints=b.hints)
-                    else:
-                        args = (x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w)
-                        add("rms_norm_bwd_row_dot", *args, hints=b.hints)
-                        add(
-                            "rms_norm_bwd_column_chunk",
-                            x2,
-                            x2,
-                            w1,
-                            r1,
-                            r1,
-                            x2,
-                            _arr(_F32, 2),
-                            _S,
-                            b.tile_m,
-                            b.tile_n,
-                            has_w,
-                            hints=b.hints,
-                        )
+                found.update(dict.fromkeys(variants_for(m, n, dtype)))
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
     tile_n = config.REDUCE_MIN_TILE_N
     while tile_n <= config.REDUCE_MAX_TILE_N:
         red = config.reduce_config(tile_n * REFERENCE_SMS, REFERENCE_SMS)
         assert red.tile_n == tile_n
         for dtype in DTYPES:
-            add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)
+            found.setdefault(Variant("rms_norm_dw_reduce", (_arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)))
         tile_n *= 2
     return list(found)
 
@@ -143,8 +143,8 @@ def _signature(v: Variant):
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
 
-def compile_variant(v: Variant, arch: str) -> int:
-    """Compiles one variant for ``arch``; returns the cubin size in bytes (raises on failure)."""
+def cubin(v: Variant, arch: str) -> bytes:
+    """One variant compiled for ``arch`` (raises on failure)."""
     from cuda.tile.compilation import export_kernel
 
     from .cutile import kernels
@@ -153,10 +153,14 @@ def compile_variant(v: Variant, arch: str) -> int:
     buf = io.BytesIO()
     kernel = with_hints(getattr(kernels, v.kernel_name), v.hints)
     export_kernel(kernel, [_signature(v)], buf, gpu_code=arch, output_format="cubin")
-    size = len(buf.getvalue())
-    if size == 0:
+    if not buf.getvalue():
         raise RuntimeError("empty cubin")
-    return size
+    return buf.getvalue()
+
+
+def compile_variant(v: Variant, arch: str) -> int:
+    """Compiles one variant for ``arch``; returns the cubin size in bytes (raises on failure)."""
+    return len(cubin(v, arch))
 
 
 def run(archs=ARCHS, jobs: int = 2, out=sys.stdout) -> int:

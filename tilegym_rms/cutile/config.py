@@ -74,9 +74,11 @@ BWD_NARROW_WORKER_WARPS = 0
 BWD_WIDE_BLOCKS_PER_SM = 1
 BWD_WIDE_OCCUPANCY = 1
 BWD_WIDE_WORKER_WARPS = 8
-# The forward uses the gather kernel (one row per block) while M is at most this many waves of SMs:
-# with so few rows, a block per row spreads them widest.
-GATHER_MAX_ROWS_PER_SM = 2
+# The forward uses the gather kernel (one row per block) while M is at most this many rows per SM:
+# with so few rows, a block per row spreads them widest, and the inference forward then skips the rstd
+# allocation. H100 bf16, experiment 19: 512 x 1024 in 2.4 us against 4.3 persistent, 512 x 8192 in
+# 6.7 against 8.5, 384 x 4096 in 3.9 against 4.4.
+GATHER_MAX_ROWS_PER_SM = 4
 # From GATHER_PREFERRED_MIN_M rows on, rows of GATHER_PREFERRED_MIN_N to GATHER_PREFERRED_MAX_N columns
 # take the gather kernel (wider ones below GATHER_MIN_N, e.g. 12288, keep the split persistent tile). H100, % of copy bandwidth at 32768 rows, gather against persistent (experiments 13, 17, 18):
 # bf16 2048 97/89, 4096 100/93, 6144 97/91, 7168 100/92, 8192 100/93, 5120 90/92; fp32 5120 98/91,

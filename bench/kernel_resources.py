@@ -1,0 +1,75 @@
+"""The compiler's report for the kernels the dispatcher picks: registers, stack (spills) and shared memory
+per thread block, from the cubin (``cuobjdump -res-usage``). Needs no GPU, only the tileiras toolchain and a
+``cuobjdump`` (Triton ships one).
+
+A kernel that needs more than 255 registers a thread, or shows a stack, spills to local memory: the first
+thing to look at when a variant streams below the copy bandwidth (bench/NOTES.md, experiments 10 and 17).
+
+    python bench/kernel_resources.py --shapes 32768x4096,4096x16384,4096x32768 --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+try:
+    from . import common
+except ImportError:
+    import common
+
+
+def find_cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else None
+
+
+def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int]:
+    """``{"REG": .., "STACK": .., "SHARED": .., "LOCAL": ..}`` of the single kernel in ``cubin``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kernel_resources.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="32768x4096", help="MxN,... (default %(default)s)")
+    parser.add_argument("--dtype", type=common.parse_dtype, default="bf16", help="bf16, fp16 or fp32")
+    parser.add_argument("--arch", default="sm_90", help="compile target (default %(default)s)")
+    parser.add_argument("--sms", type=int, default=132, help="SM count the heuristics assume (H100: 132)")
+    args = parser.parse_args(argv)
+    common.ensure_repo_on_path()
+    from tilegym_rms import aot
+
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        print("kernel_resources.py needs cuobjdump (CUDA toolkit, or the one Triton ships)", file=sys.stderr)
+        return 2
+    dtype = common.DTYPES[args.dtype]
+    print(f"{args.arch}, {args.dtype}; per thread: registers, stack bytes; per block: shared bytes")
+    for item in args.shapes.split(","):
+        m, n = (int(v) for v in item.lower().split("x"))
+        print(f"{m} x {n}:")
+        # What a training call launches for this shape (default dispatch, weight, llama casting).
+        for v in aot.variants_for(m, n, dtype, args.sms, modes=(None,), every_path=False):
+            use = resource_usage(aot.cubin(v, args.arch), cuobjdump)
+            print(f"  {v.describe():<96} REG {use['REG']:>3}  STACK {use['STACK']:>4}  SHARED {use['SHARED']:>6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
