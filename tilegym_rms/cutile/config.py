@@ -61,10 +61,11 @@ FWD_NARROW_WORKER_WARPS = 0
 FWD_WIDE_BLOCKS_PER_SM = 2
 FWD_WIDE_OCCUPANCY = 0
 FWD_WIDE_WORKER_WARPS = 0
-# Rows of at most 1024 columns: 4 blocks per SM, still built for occupancy 2 (the extra blocks queue).
-# H100 bf16, experiment 15: 32768 x 1024 at 91% of copy bandwidth against 85% with 2; 4096 x 1024 level.
+# Rows of at most 1024 columns: 8 blocks per SM, still built for occupancy 2 (the extra blocks queue).
+# H100 bf16, experiments 15 and 19: 32768 x 1024 at 85% of copy bandwidth with 2, 90-91% with 4, 93-94%
+# with 8; 4096 x 1024 level (83%).
 FWD_TINY_TILE_N = 1024
-FWD_TINY_BLOCKS_PER_SM = 4
+FWD_TINY_BLOCKS_PER_SM = 8
 BWD_NARROW_BLOCKS_PER_SM = 2
 BWD_NARROW_OCCUPANCY = 2
 BWD_NARROW_WORKER_WARPS = 0
