@@ -41,7 +41,7 @@ BWD_CHUNK_TILE_M = 4
 FWD_TILE_ELEMS = 16384
 # The persistent forward holds rows as a tile plus a tail tile (see split_row) once the padded tile
 # would be this wide: 12288 = 8192 + 4096 gained 1-4 points over one 16384-wide tile (bf16 and fp32),
-# while 5120 = 4096 + 1024 lost 6-14 points against one 8192-wide tile (H100, experiment 17).
+# while 5120 = 4096 + 1024 lost 6-14 points against one 8192-wide tile (H100, experiment 18).
 FWD_SPLIT_MIN_TILE_N = 16384
 BWD_NARROW_TILE_ELEMS = 8192
 BWD_WIDE_TILE_ELEMS = 16384
@@ -62,7 +62,7 @@ FWD_WIDE_BLOCKS_PER_SM = 2
 FWD_WIDE_OCCUPANCY = 0
 FWD_WIDE_WORKER_WARPS = 0
 # Rows of at most 1024 columns: 8 blocks per SM, still built for occupancy 2 (the extra blocks queue).
-# H100 bf16, experiments 15 and 19: 32768 x 1024 at 85% of copy bandwidth with 2, 90-91% with 4, 93-94%
+# H100 bf16, experiments 15 and 18: 32768 x 1024 at 85% of copy bandwidth with 2, 90-91% with 4, 93-94%
 # with 8; 4096 x 1024 level (83%).
 FWD_TINY_TILE_N = 1024
 FWD_TINY_BLOCKS_PER_SM = 8
@@ -77,14 +77,15 @@ BWD_WIDE_OCCUPANCY = 1
 BWD_WIDE_WORKER_WARPS = 8
 # The forward uses the gather kernel (one row per block) while M is at most this many rows per SM:
 # with so few rows, a block per row spreads them widest, and the inference forward then skips the rstd
-# allocation. H100 bf16, experiment 19: 512 x 1024 in 2.4 us against 4.3 persistent, 512 x 8192 in
+# allocation. H100 bf16, experiment 18: 512 x 1024 in 2.4 us against 4.3 persistent, 512 x 8192 in
 # 6.7 against 8.5, 384 x 4096 in 3.9 against 4.4.
 GATHER_MAX_ROWS_PER_SM = 4
 # From GATHER_PREFERRED_MIN_M rows on, rows of GATHER_PREFERRED_MIN_N to GATHER_PREFERRED_MAX_N columns
-# take the gather kernel (wider ones below GATHER_MIN_N, e.g. 12288, keep the split persistent tile). H100, % of copy bandwidth at 32768 rows, gather against persistent (experiments 13, 17, 18):
-# bf16 2048 97/89, 4096 100/93, 6144 97/91, 7168 100/92, 8192 100/93, 5120 90/92; fp32 5120 98/91,
-# 7168 99/95. At 1024 columns the persistent kernel is ahead (86/89), and at 4096 rows (one wave of
-# it) level or ahead at 4096-8192 columns.
+# take the gather kernel (wider ones below GATHER_MIN_N, e.g. 12288, keep the split persistent tile).
+# H100, % of copy bandwidth at 32768 rows, gather against persistent (experiments 13 and 18): bf16 2048
+# 97/89, 4096 100/93, 6144 97/91, 7168 100/92, 8192 100/93, 5120 90/92; fp32 5120 98/91, 7168 99/95. At
+# 1024 columns the persistent kernel is ahead (86/89), and at 4096 rows (one wave of it) level or ahead
+# at 4096-8192 columns.
 GATHER_PREFERRED_MIN_N = 2048
 GATHER_PREFERRED_MAX_N = 8192
 # ...except 16-bit rows that fill less than this share of their padded tile: bf16 5120 (62.5%) ran at
@@ -93,14 +94,14 @@ GATHER_PREFERRED_MAX_N = 8192
 GATHER_PREFERRED_MIN_FILL_16BIT = 0.75
 GATHER_PREFERRED_MIN_M = 16384
 # From this row width on the gather kernel is used at every M: 4096 x 16384 bf16 at 95-96% against
-# 93% persistent, 32768 x 16384 at 100% against 95% (H100, experiment 17). Padded widths below it stay
+# 93% persistent, 32768 x 16384 at 100% against 95% (H100, experiment 18). Padded widths below it stay
 # persistent: 12288 (8192 + 4096 split) beat the 16384-wide gather tile by 11-12 points in bf16 (H200).
 GATHER_MIN_N = 16384
 # Compiler hints of the gather kernel, ``(occupancy, num_worker_warps)`` (0: the compiler's choice),
 # by the widest single tile they apply to. Its blocks are short-lived, so several per SM keep rows in
-# flight, as many as the registers of a whole row allow (H100 bf16, experiments 13 and 17, % of copy):
-# 2048: occupancy 8 (32768 x 2048: 97% against 70% with 4); 4096: 8 with 8 warps (100% against 91%
-# with 4); 8192: 4 (100% against 38% with 8); 16384: 2 (95-100% against 67-69% with 4); 32768: one
+# flight, as many as the registers of a whole row allow (H100 bf16, experiments 13, 17 and 18, % of
+# copy): 2048: occupancy 8 (32768 x 2048: 97% against 70% with 4); 4096: 8 with 8 warps (100% against
+# 91% with 4); 8192: 4 (100% against 38% with 8); 16384: 2 (95-100% against 67-69% with 4); 32768: one
 # 8-warp block (151 registers a thread, no spill; 91%).
 GATHER_SINGLE_TILE_HINTS = ((2048, 8, 0), (4096, 8, 8), (8192, 4, 0), (16384, 2, 0), (32768, 1, 8))
 GATHER_CHUNKED_HINTS = (1, 8)  # FWD_CHUNK_N-wide chunks, see there
