@@ -132,3 +132,20 @@ def test_split_by_markers():
     seg = c.split_by_markers(ev, "m", 2)
     assert [[e.dur_ns for e in s] for s in seg] == [[10], [20]]
     assert c.split_by_markers(ev, "m", 3) is None
+
+
+def test_kernel_resources_reads_the_compilers_report():
+    """One small variant compiled for sm_90: the report has a register count within the hardware's range."""
+    pytest.importorskip("cuda.tile")
+    import kernel_resources as kr
+
+    from tilegym_rms import aot
+
+    cuobjdump = kr.find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton)")
+    variants = aot.variants_for(8, 64, torch.float32, 132, modes=(None,), every_path=False)
+    names = [v.kernel_name for v in variants]
+    assert names == ["rms_norm_fwd_gather", "rms_norm_bwd_persistent", "rms_norm_dw_reduce"]
+    use = kr.resource_usage(aot.cubin(variants[0], "sm_90"), cuobjdump)
+    assert 0 < use["REG"] <= 255 and use["STACK"] >= 0 and use["SHARED"] >= 0
