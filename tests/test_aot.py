@@ -15,6 +15,7 @@ def test_variants_cover_every_kernel():
     launched = {
         "rms_norm_fwd_gather",
         "rms_norm_fwd_persistent",
+        "rms_norm_bwd_direct",
         "rms_norm_bwd_persistent",
         "rms_norm_bwd_row_dot",
         "rms_norm_bwd_column_chunk",

@@ -44,10 +44,23 @@ def test_backward_config_invariants(m, n):
     cfg = config.backward_config(m, n, torch.bfloat16, SMS)
     assert 1 <= cfg.grid <= max(m, 1)
     assert cfg.tile_m & (cfg.tile_m - 1) == 0
-    if cfg.mode == "fused":
+    if cfg.mode == "direct":
+        assert cfg.tile_n == config.next_pow2(n) and cfg.grid * cfg.tile_m >= m
+        assert cfg.num_chunks * cfg.strip_n >= n and cfg.strip_m * cfg.strip_n == config.BWD_DIRECT_STRIP_ELEMS
+    elif cfg.mode == "fused":
         assert (cfg.tile_n, cfg.tail_n) == config.split_row(n) and cfg.num_chunks == 1
     else:
         assert cfg.num_chunks * cfg.tile_n >= n and next_pow2_gt(n)
+
+
+def test_backward_is_one_launch_for_few_rows_of_one_tile():
+    few = config.BWD_DIRECT_MAX_ROWS_PER_SM * SMS
+    assert config.backward_config(few, 4096, torch.bfloat16, SMS).mode == "direct"
+    assert config.backward_config(few + 1, 4096, torch.bfloat16, SMS).mode == "fused"
+    assert config.backward_config(8, 2 * config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS).mode == "chunked"
+    strips = config.backward_config(8, 4096, torch.bfloat16, SMS)
+    assert strips.strip_n == config.BWD_DIRECT_MIN_STRIP_N  # 4096 / 132 SMs: the narrowest strip
+    assert config.backward_config(8, 16384, torch.bfloat16, SMS).strip_n == config.BWD_DIRECT_MAX_STRIP_N
 
 
 def next_pow2_gt(n):

@@ -87,6 +87,10 @@ def variants_for(
     b = config.backward_config(m, n, dtype, num_sms)
     for has_w in (True, False) if every_path else (True,):
         x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
+        if b.mode == "direct":
+            args = (x2, x2, w1, r1, x2, w1, _S, b.tile_m, b.tile_n, b.strip_n, b.strip_m, has_w)
+            add("rms_norm_bwd_direct", *args, hints=b.hints)
+            continue  # no partial buffer, no reduction
         if b.mode == "fused":
             args = (x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, b.tail_n, has_w)
             add("rms_norm_bwd_persistent", *args, hints=b.hints)
@@ -95,8 +99,9 @@ def variants_for(
             add("rms_norm_bwd_row_dot", *args, hints=b.hints)
             args = (x2, x2, w1, r1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, has_w)
             add("rms_norm_bwd_column_chunk", *args, hints=b.hints)
-    red = config.reduce_config(n, num_sms)
-    add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)
+    if b.mode != "direct":
+        red = config.reduce_config(n, num_sms)
+        add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)
     return list(found)
 
 

@@ -164,8 +164,9 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None)
 
 
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes of the fp32 dw partial buffer (grid x N x 4) the backward allocates."""
-    return _backward_config(_device_index(device), m, n, dtype).grid * n * 4
+    """Bytes of the fp32 dw partial buffer (grid x N x 4) the backward allocates (none in direct mode)."""
+    cfg = _backward_config(_device_index(device), m, n, dtype)
+    return 0 if cfg.mode == "direct" else cfg.grid * n * 4
 
 
 def backward(dy, x, weight, rstd, offset, casting_mode):
@@ -180,6 +181,12 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     dev = x.get_device()
     cfg = _backward_config(dev, m, n, x.dtype)
     dy, x, w = _plain(dy), _plain(x), _weight_arg(weight, x)
+    if cfg.mode == "direct":
+        dw = weight.new_empty((n,)) if has_w else None
+        args = (dy, x, w, rstd, dx, w if dw is None else dw, float(offset), cfg.tile_m, cfg.tile_n)
+        args += (cfg.strip_n, cfg.strip_m, has_w)
+        launch(k.rms_norm_bwd_direct, (cfg.grid + (cfg.num_chunks if has_w else 0),), args, dev, cfg.hints)
+        return dx, dw
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
     dw_partial = x.new_empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32)
     if cfg.mode == "fused":

@@ -115,6 +115,16 @@ def _hints(**values: int) -> Hints:
     return tuple(sorted((k, v) for k, v in values.items() if v))
 
 
+# Few rows (at most this many per SM, rows of one tile): the backward is one launch, rms_norm_bwd_direct,
+# whose extra blocks sum dw strips over all rows, instead of the persistent kernel, a partial buffer and
+# the reduction. At small M both are latency-bound; one launch and one allocation fewer is host time
+# (experiment 21). Strips: at least one per SM where N allows, 16-64 columns, and about
+# BWD_DIRECT_STRIP_ELEMS elements of x and of dy per step.
+BWD_DIRECT_MAX_ROWS_PER_SM = 4
+BWD_DIRECT_MIN_STRIP_N = 16
+BWD_DIRECT_MAX_STRIP_N = 64
+BWD_DIRECT_STRIP_ELEMS = 4096
+
 # Final dw reduction: each block owns a strip of columns and sums all partial rows. The strip is
 # narrow enough that there are at least as many blocks as SMs: with 256-column strips a 2048-wide dw
 # had 8 blocks walking 264 partial rows one after another. 32 fp32 columns are one 128-byte line per
@@ -143,13 +153,17 @@ class ForwardConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    mode: str  # "fused" (rows fit one tile, or a tile and a tail tile) or "chunked" (two kernels, column chunks)
+    # "direct" (few rows: one kernel writes dx and dw), "fused" (rows fit one tile, or a tile and a tail
+    # tile; dw partial rows, then the reduction) or "chunked" (two kernels over column chunks, then the reduction)
+    mode: str
     tile_m: int
     tile_n: int
-    grid: int  # row workers: rows of the dw partial buffer
-    num_chunks: int  # column chunks (1 when fused); the chunked grid is (grid, num_chunks)
+    grid: int  # row workers: rows of the dw partial buffer (direct: dx blocks, one per row tile)
+    num_chunks: int  # column chunks (1 when fused); the chunked grid is (grid, num_chunks); direct: dw strips
     hints: Hints = ()  # compiler hints (occupancy, num_worker_warps)
     tail_n: int = 0  # fused: width of the tail tile after the first TILE_N columns (0: none)
+    strip_n: int = 0  # direct: columns of one dw strip
+    strip_m: int = 0  # direct: rows a dw strip block sums per step
 
 
 def _blocks_and_hints(row: int, prefix: str) -> tuple[int, Hints]:
@@ -218,6 +232,13 @@ def _gather_hints(tile_n: int, single_tile: bool) -> Hints:
 def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> BackwardConfig:
     """Chooses the backward kernels, tiles and the number of dw partial rows (``grid``)."""
     del dtype
+    if next_pow2(n) <= BWD_MAX_SINGLE_TILE_N and m <= BWD_DIRECT_MAX_ROWS_PER_SM * num_sms:
+        tile_n = next_pow2(n)  # few rows: padding costs no bandwidth worth a tail tile
+        tile_m = _tile_m(tile_n, BWD_NARROW_TILE_ELEMS if tile_n <= NARROW_MAX_ROW else BWD_WIDE_TILE_ELEMS)
+        _, hints = _blocks_and_hints(tile_n, "BWD")
+        strip_n = max(BWD_DIRECT_MIN_STRIP_N, min(BWD_DIRECT_MAX_STRIP_N, prev_pow2(max(n // num_sms, 1))))
+        strip_m = prev_pow2(BWD_DIRECT_STRIP_ELEMS // strip_n)
+        return BackwardConfig("direct", tile_m, tile_n, cdiv(m, tile_m), cdiv(n, strip_n), hints, 0, strip_n, strip_m)
     if next_pow2(n) <= BWD_MAX_SINGLE_TILE_N:
         tile_n, tail_n = split_row(n)
         row = tile_n + tail_n

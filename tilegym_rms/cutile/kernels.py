@@ -231,6 +231,44 @@ def rms_norm_bwd_persistent(
 
 @experimental_kernel
 @ct.kernel
+def rms_norm_bwd_direct(
+    dy,
+    x,
+    w,
+    rstd,
+    dx,
+    dw,
+    offset,
+    TILE_M: ct.Constant[int],
+    TILE_N: ct.Constant[int],
+    STRIP_N: ct.Constant[int],
+    STRIP_M: ct.Constant[int],
+    HAS_W: ct.Constant[bool],
+):
+    """Few rows, one launch, no partial buffer: the first ``cdiv(M, TILE_M)`` blocks each write dx for one
+    ``TILE_M x TILE_N`` row tile (``TILE_N >= N``); each further block owns a ``STRIP_N``-wide column strip
+    of dw and sums ``dy * x^`` over all M rows, ``STRIP_M`` rows per step, in a fixed order. The strips read
+    x and dy a second time, which at small M costs less than a second launch."""
+    n = x.shape[1]
+    row_tiles = ct.cdiv(x.shape[0], TILE_M)
+    b = ct.bid(0)
+    if b < row_tiles:
+        wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
+        r = _load_row_values(rstd, b, TILE_M)
+        xhat, dyf = _xhat_and_dy(x, dy, r, b, 0, TILE_M, TILE_N)
+        g = dyf * wt
+        ct.store(dx, (b, 0), _dx(g, xhat, _row_dot(xhat, g) / n, r, dx.dtype), allow_tma=False)
+    elif HAS_W:
+        strip = b - row_tiles
+        acc = ct.zeros((STRIP_M, STRIP_N), dtype=_F32)
+        for t in range(ct.cdiv(x.shape[0], STRIP_M)):
+            xhat, dyf = _xhat_and_dy(x, dy, _load_row_values(rstd, t, STRIP_M), t, strip, STRIP_M, STRIP_N)
+            acc = acc + dyf * xhat
+        ct.store(dw, (strip,), ct.astype(ct.sum(acc, axis=0), dw.dtype))
+
+
+@experimental_kernel
+@ct.kernel
 def rms_norm_bwd_row_dot(
     dy, x, w, rstd, row_dot, offset, TILE_M: ct.Constant[int], TILE_N: ct.Constant[int], HAS_W: ct.Constant[bool]
 ):
