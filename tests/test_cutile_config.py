@@ -57,10 +57,12 @@ def test_backward_is_one_launch_for_few_rows_of_one_tile():
     few = config.BWD_DIRECT_MAX_ROWS_PER_SM * SMS
     assert config.backward_config(few, 4096, torch.bfloat16, SMS).mode == "direct"
     assert config.backward_config(few + 1, 4096, torch.bfloat16, SMS).mode == "fused"
+    wider = 2 * config.BWD_DIRECT_MAX_TILE_N
+    assert config.backward_config(8, wider, torch.bfloat16, SMS).mode == "fused"
     assert config.backward_config(8, 2 * config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS).mode == "chunked"
     strips = config.backward_config(8, 4096, torch.bfloat16, SMS)
     assert strips.strip_n == config.BWD_DIRECT_MIN_STRIP_N  # 4096 / 132 SMs: the narrowest strip
-    assert config.backward_config(8, 16384, torch.bfloat16, SMS).strip_n == config.BWD_DIRECT_MAX_STRIP_N
+    assert config.backward_config(8, 4096, torch.bfloat16, 16).strip_n == config.BWD_DIRECT_MAX_STRIP_N
 
 
 def next_pow2_gt(n):

@@ -5,6 +5,7 @@ full (M, N, dtype) grid runs with the default options, and each other axis (cast
 offset, forward mode, strides) runs over a smaller set of shapes.
 """
 
+import re
 import warnings
 
 import pytest
@@ -184,18 +185,21 @@ def test_forward_mode_chosen_by_heuristic():
 
 
 def test_experimental_warning_on_first_backward(monkeypatch):
+    """Each experimental kernel warns once, on its first launch: the one-launch backward of few rows, then
+    the persistent backward and the dw reduction of more rows."""
     from tilegym_rms import experimental
 
     monkeypatch.delenv("TILEGYM_RMS_SILENCE_EXPERIMENTAL")
     experimental._reset_warnings()
-    x = torch.randn(64, 256, device="cuda", requires_grad=True)
     w = torch.randn(256, device="cuda", requires_grad=True)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        tilegym_rms.rms_norm(x, w, backend="cutile").sum().backward()
-        tilegym_rms.rms_norm(x, w, backend="cutile").sum().backward()
+        for m in (64, 64, 4097, 4097):
+            x = torch.randn(m, 256, device="cuda", requires_grad=True)
+            tilegym_rms.rms_norm(x, w, backend="cutile").sum().backward()
     names = [str(s.message) for s in seen if issubclass(s.category, tilegym_rms.ExperimentalKernelWarning)]
-    assert len(names) == 2 and any("rms_norm_bwd_persistent" in s for s in names)
+    warned = [re.search(r"kernel '(\w+)'", s).group(1) for s in names]
+    assert warned == ["rms_norm_bwd_direct", "rms_norm_bwd_persistent", "rms_norm_dw_reduce"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -115,12 +115,15 @@ def _hints(**values: int) -> Hints:
     return tuple(sorted((k, v) for k, v in values.items() if v))
 
 
-# Few rows (at most this many per SM, rows of one tile): the backward is one launch, rms_norm_bwd_direct,
-# whose extra blocks sum dw strips over all rows, instead of the persistent kernel, a partial buffer and
-# the reduction. At small M both are latency-bound; one launch and one allocation fewer is host time
-# (experiment 21). Strips: at least one per SM where N allows, 16-64 columns, and about
-# BWD_DIRECT_STRIP_ELEMS elements of x and of dy per step.
+# Few rows (at most this many per SM) of at most BWD_DIRECT_MAX_TILE_N padded columns: the backward is one
+# launch, rms_norm_bwd_direct, whose extra blocks sum dw strips over all rows, instead of the persistent
+# kernel, a partial buffer and the reduction: one launch and one allocation fewer. H100 bf16, experiment
+# 21, device time: 64 x 4096 6.5 us against 8.6, 512 x 4096 11.2 against 11.8, 512 x 1024 4.4 against
+# 6.6; wider rows lost (512 x 8192 21.8 against 17.4, 512 x 5120 17.7 against 13.7: the strips' M-row
+# walk is the long pole) or tied (128 x 16384). Strips: at least one per SM where N allows, 16-64
+# columns, and about BWD_DIRECT_STRIP_ELEMS elements of x and of dy per step.
 BWD_DIRECT_MAX_ROWS_PER_SM = 4
+BWD_DIRECT_MAX_TILE_N = 4096
 BWD_DIRECT_MIN_STRIP_N = 16
 BWD_DIRECT_MAX_STRIP_N = 64
 BWD_DIRECT_STRIP_ELEMS = 4096
@@ -232,9 +235,9 @@ def _gather_hints(tile_n: int, single_tile: bool) -> Hints:
 def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> BackwardConfig:
     """Chooses the backward kernels, tiles and the number of dw partial rows (``grid``)."""
     del dtype
-    if next_pow2(n) <= BWD_MAX_SINGLE_TILE_N and m <= BWD_DIRECT_MAX_ROWS_PER_SM * num_sms:
-        tile_n = next_pow2(n)  # few rows: padding costs no bandwidth worth a tail tile
-        tile_m = _tile_m(tile_n, BWD_NARROW_TILE_ELEMS if tile_n <= NARROW_MAX_ROW else BWD_WIDE_TILE_ELEMS)
+    if next_pow2(n) <= BWD_DIRECT_MAX_TILE_N and m <= BWD_DIRECT_MAX_ROWS_PER_SM * num_sms:
+        tile_n = next_pow2(n)
+        tile_m = _tile_m(tile_n, BWD_NARROW_TILE_ELEMS)
         _, hints = _blocks_and_hints(tile_n, "BWD")
         strip_n = max(BWD_DIRECT_MIN_STRIP_N, min(BWD_DIRECT_MAX_STRIP_N, prev_pow2(max(n // num_sms, 1))))
         strip_m = prev_pow2(BWD_DIRECT_STRIP_ELEMS // strip_n)
