@@ -46,22 +46,20 @@ def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
     import torch.nn.functional as F
 
     import tilegym_rms
-    from tilegym_rms.cutile import forward_config, kernels
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile.launch import with_hints
 
     x = torch.randn(m, n, dtype=dtype, device=device)
     w = torch.randn(n, dtype=dtype, device=device)
     dy = torch.randn_like(x)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     y, rstd = tilegym_rms.rms_norm_forward(x, w)
-    cfg = forward_config(x)
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     stream_obj = torch.cuda.current_stream(device)
-    if cfg.mode == "gather":
-        kernel, grid = kernels.rms_norm_fwd_gather, (m,)
-        args = (x, w, y, rstd, 1e-6, 0.0, cfg.tile_n, 0, True, cfg.single_tile, True)
-    else:
-        kernel, grid = kernels.rms_norm_fwd_persistent, (cfg.grid,)
-        args = (x, w, y, rstd, 1e-6, 0.0, cfg.tile_m, cfg.tile_n, cfg.tail_n, 0, True)
+    # The launch the host module makes for this input (training forward: llama casting, rstd stored).
+    plan = cutile._forward_launch(device.index, m, n, dtype, None, "llama", True, True)
+    kernel, grid = with_hints(plan.kernel, plan.hints), plan.grid
+    args = (x, w, y, rstd, 1e-6, 0.0) + plan.constants
     detached_grad_args = (xg.detach(),) + args[1:]
 
     def fwd_bwd(fn):

@@ -28,7 +28,6 @@ except ImportError:
     import common
 
 OPS = ("forward", "backward")
-_ORIGINAL_WITH_HINTS = None  # launch.with_hints, restored after each combination
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -98,7 +97,7 @@ def _breakdown(fn, sets) -> str:
     return "\n".join(rows)
 
 
-def _apply(config, launch_module, names, hint_names, combo, only=None) -> str:
+def _apply(config, launch_module, original_with_hints, names, hint_names, combo, only=None) -> str:
     """Sets the config constants and hint overrides of one combination; returns its description."""
     from tilegym_rms.experimental import kernel_name
 
@@ -107,7 +106,7 @@ def _apply(config, launch_module, names, hint_names, combo, only=None) -> str:
         setattr(config, name, values[name])
     overrides = {name: values[name] for name in hint_names}
     if overrides:
-        original = _ORIGINAL_WITH_HINTS
+        original = original_with_hints
 
         def with_overrides(kernel, hints):
             # The swept values win over the config's hints; 0 removes a hint (the compiler's choice).
@@ -130,8 +129,7 @@ def main(argv=None) -> int:
     from tilegym_rms.cutile import config
     from tilegym_rms.cutile import launch as launch_module
 
-    global _ORIGINAL_WITH_HINTS
-    _ORIGINAL_WITH_HINTS = launch_module.with_hints
+    original_with_hints = launch_module.with_hints  # restored after each combination
 
     for name, _ in args.sets:
         if not hasattr(config, name):
@@ -154,7 +152,7 @@ def main(argv=None) -> int:
         w = torch.randn(n, dtype=dtype, device=device)
         fn = _call(cutile, args.op, w)
         for combo in combos:
-            setting = _apply(config, launch_module, names, hint_names, combo, args.only)
+            setting = _apply(config, launch_module, original_with_hints, names, hint_names, combo, args.only)
             cutile.clear_caches()
             try:
                 us = _time_us(timer, fn, sets, args.reps)
@@ -167,7 +165,7 @@ def main(argv=None) -> int:
             finally:
                 for name, value in original.items():
                     setattr(config, name, value)
-                launch_module.with_hints = _ORIGINAL_WITH_HINTS
+                launch_module.with_hints = original_with_hints
                 cutile.clear_caches()
             sys.stdout.flush()
         del sets

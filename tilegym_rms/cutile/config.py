@@ -183,6 +183,12 @@ def _tile_m(row: int, target_elems: int) -> int:
     return max(1, min(MAX_TILE_M, prev_pow2(max(target_elems // row, 1))))
 
 
+def _strip_width(n: int, num_sms: int, narrowest: int, widest: int) -> int:
+    """Power-of-two width of the column strips that split ``n`` columns among blocks (the dw reduction,
+    the dw strips of the direct backward): at least one strip per SM where N allows, within the bounds."""
+    return max(narrowest, min(widest, prev_pow2(n // max(num_sms, 1))))
+
+
 def split_row(n: int) -> tuple[int, int]:
     """``(TILE_N, TAIL_N)``: a row as one power-of-two tile, or as a tile plus a narrower power-of-two tail
     when that is narrower than the single padded tile (5120 = 4096 + 1024, 6144 = 4096 + 2048, 12288 =
@@ -199,10 +205,9 @@ def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str |
     fits = padded <= FWD_MAX_SINGLE_TILE_N
     if mode is None:
         few_rows = m <= GATHER_MAX_ROWS_PER_SM * num_sms
+        fills_tile = dtype.itemsize != 2 or n >= GATHER_PREFERRED_MIN_FILL_16BIT * padded
         preferred = GATHER_PREFERRED_MIN_N <= n <= GATHER_PREFERRED_MAX_N and m >= GATHER_PREFERRED_MIN_M
-        if dtype.itemsize == 2 and n < GATHER_PREFERRED_MIN_FILL_16BIT * padded:
-            preferred = False
-        gather_wins = preferred or n >= GATHER_MIN_N
+        gather_wins = (preferred and fills_tile) or n >= GATHER_MIN_N
         mode = "gather" if few_rows or gather_wins else "persistent"
     if mode not in FORWARD_MODES:
         raise ValueError(f"mode must be one of {FORWARD_MODES} or None, got {mode!r}")
@@ -239,7 +244,7 @@ def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> Backwar
         tile_n = next_pow2(n)
         tile_m = _tile_m(tile_n, BWD_NARROW_TILE_ELEMS)
         _, hints = _blocks_and_hints(tile_n, "BWD")
-        strip_n = max(BWD_DIRECT_MIN_STRIP_N, min(BWD_DIRECT_MAX_STRIP_N, prev_pow2(max(n // num_sms, 1))))
+        strip_n = _strip_width(n, num_sms, BWD_DIRECT_MIN_STRIP_N, BWD_DIRECT_MAX_STRIP_N)
         strip_m = prev_pow2(BWD_DIRECT_STRIP_ELEMS // strip_n)
         return BackwardConfig("direct", tile_m, tile_n, cdiv(m, tile_m), cdiv(n, strip_n), hints, 0, strip_n, strip_m)
     if next_pow2(n) <= BWD_MAX_SINGLE_TILE_N:
@@ -265,5 +270,5 @@ class ReduceConfig:
 
 def reduce_config(n: int, num_sms: int) -> ReduceConfig:
     """Tiles of the final dw reduction for a hidden size ``n``."""
-    tile_n = max(REDUCE_MIN_TILE_N, min(REDUCE_MAX_TILE_N, prev_pow2(n // max(num_sms, 1))))
+    tile_n = _strip_width(n, num_sms, REDUCE_MIN_TILE_N, REDUCE_MAX_TILE_N)
     return ReduceConfig(REDUCE_TILE_ELEMS // tile_n, tile_n, cdiv(n, tile_n))
