@@ -57,6 +57,9 @@ def available_backends(device=None) -> dict[str, tuple[bool, str]]:
     return status
 
 
+# torch.compile treats the choice as a constant of the trace: Dynamo cannot trace the first-use
+# import of a backend module, and the answer never changes within a process.
+@torch.compiler.assume_constant_result
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
     """The backend name to use on ``device``. Raises ValueError for an unknown name and
     RuntimeError (saying why) for a backend that cannot run there.
