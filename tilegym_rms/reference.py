@@ -7,11 +7,20 @@ All functions normalize over the last dimension and accept any leading dims.
 * ``"llama"``: ``rstd`` in fp32; ``x * rstd`` is rounded to the input dtype, then multiplied by
   ``offset + weight`` (computed in fp32) and rounded again.
 * ``"gemma"``: everything in fp32, ``(offset + weight)`` in fp32, one rounding at the end.
-* ``"none"``: the input dtype throughout (the mean square, ``rstd``, ``x * rstd`` and the weight
-  product are each rounded to the input dtype).
+* ``"none"``: the input dtype wherever it cannot overflow: the mean square is accumulated in fp32
+  (in fp16 it would overflow once a row's RMS passes 256), ``rstd`` is rounded to the input dtype,
+  and ``x * rstd`` and the weight product are each rounded to the input dtype.
 
 ``rstd`` is returned in fp32 (fp64 for fp64 input, so that ``gradcheck`` is exact). The backward
 is the exact derivative of the fp32 math for every mode: rounding steps pass gradients through.
+
+Empty inputs give empty outputs. A last dim of 0 normalizes nothing: ``y`` and ``dx`` are empty,
+``dw`` is zeros of shape ``(0,)``, and ``rstd`` is ``1 / sqrt(eps)`` (the mean square of no
+elements is taken as 0).
+
+Fused add: ``residual`` may have another floating dtype than ``x`` (an fp32 residual stream with
+16-bit activations). The sum is taken in the promoted dtype and stored in ``residual``'s dtype;
+``y``, the norm of that sum, has ``x``'s dtype.
 """
 
 from __future__ import annotations
@@ -34,19 +43,24 @@ def effective_weight(weight, offset: float, dtype: torch.dtype):
     return weight.to(dtype) + offset
 
 
+def _mean_square(xf):
+    """Row mean of squares, 0 for rows of no elements (``mean`` would give NaN)."""
+    n = xf.shape[-1]
+    return xf.square().sum(-1, keepdim=True) / max(n, 1)
+
+
 def rms_norm_forward(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
     """Returns ``(y, rstd)``: ``y`` like ``x``; ``rstd`` of shape ``x.shape[:-1]``, fp32 (fp64 for fp64)."""
     acc = compute_dtype(x.dtype)
     if casting_mode == "none":
-        mean_sq = (x.to(acc).square().mean(-1, keepdim=True)).to(x.dtype)
-        rstd = torch.rsqrt(mean_sq + eps)
+        rstd = torch.rsqrt(_mean_square(x.to(acc)) + eps).to(x.dtype)
         y = x * rstd
         w = effective_weight(weight, offset, acc)
         if w is not None:
             y = y * w.to(x.dtype)
         return y, rstd.squeeze(-1).to(acc)
     xf = x.to(acc)
-    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    rstd = torch.rsqrt(_mean_square(xf) + eps)
     w = effective_weight(weight, offset, acc)
     if casting_mode == "llama":
         y = (xf * rstd).to(x.dtype)
@@ -75,18 +89,41 @@ def rms_norm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama"):
     dx = rstd.to(acc).unsqueeze(-1) * (g - xhat * (g * xhat).mean(-1, keepdim=True))
     dw = None
     if weight is not None:
-        dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        per_row = dyf * xhat
+        dw = per_row.sum(tuple(range(x.dim() - 1))) if x.dim() > 1 else per_row
+        dw = dw.to(weight.dtype)
     return dx.to(x.dtype), dw
+
+
+def rms_norm_backward_differentiable(dy, x, weight, rstd, eps, offset=0.0):
+    """:func:`rms_norm_backward` as a function of ``x`` that autograd can differentiate again.
+
+    The kernels and the saved ``rstd`` are constants to autograd; here ``rstd`` is recomputed from
+    ``x`` so that its dependence on ``x`` enters the second derivatives. Its value stays the saved
+    one (which may carry the ``"none"`` mode's rounding), so the first derivatives are unchanged.
+    """
+    acc = compute_dtype(x.dtype)
+    live = torch.rsqrt(_mean_square(x.to(acc)) + eps).squeeze(-1)
+    r = live + (rstd.to(acc) - live).detach()
+    return rms_norm_backward(dy, x, weight, r, offset)
 
 
 def fused_add_rms_norm_forward(x, residual, weight=None, eps=1e-6, mode="pre", offset=0.0, casting_mode="llama"):
     """Residual add fused with RMSNorm. Returns ``(y, residual_out, rstd)``.
 
-    ``s = x + residual`` (in the input dtype); ``y = rms_norm(s)``. ``mode="pre"``: ``residual_out = s``
-    (pre-norm blocks carry the sum on); ``mode="post"``: ``residual_out = y``.
+    ``s = x + residual`` (:func:`fused_add_sum`: in ``residual``'s dtype); ``y = rms_norm(s)`` in
+    ``x``'s dtype. ``mode="pre"``: ``residual_out = s`` (pre-norm blocks carry the sum on);
+    ``mode="post"``: ``residual_out = y``.
     """
     if mode not in FUSED_ADD_MODES:
         raise ValueError(f"mode must be one of {FUSED_ADD_MODES}, got {mode!r}")
-    s = x + residual
+    s = fused_add_sum(x, residual)
     y, rstd = rms_norm_forward(s, weight, eps, offset, casting_mode)
+    y = y.to(x.dtype)
     return y, (s if mode == "pre" else y), rstd
+
+
+def fused_add_sum(x, residual):
+    """``x + residual`` in the promoted dtype, stored in ``residual``'s dtype (the residual stream's)."""
+    s = x + residual
+    return s if s.dtype == residual.dtype else s.to(residual.dtype)

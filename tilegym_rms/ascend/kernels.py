@@ -147,13 +147,11 @@ def _load_input(
 
 @triton.jit
 def _rstd_from_sum_sq(sum_sq, N, eps, REF, CASTING: tl.constexpr):
-    """``rsqrt(mean(x^2) + eps)`` in fp32; mode "none" rounds the mean square, the sum and rstd to x's dtype."""
-    mean_sq = sum_sq / N
+    """``rsqrt(mean(x^2) + eps)`` in fp32; mode "none" rounds rstd to x's dtype (the mean square stays
+    fp32: in fp16 it would overflow)."""
+    rstd = tl.rsqrt(sum_sq / N + eps)
     if CASTING == _CAST_NONE:
-        mean_sq = _round_to(mean_sq, REF)
-        rstd = _round_to(tl.rsqrt(_round_to(mean_sq + eps, REF)), REF)
-    else:
-        rstd = tl.rsqrt(mean_sq + eps)
+        rstd = _round_to(rstd, REF)
     return rstd
 
 

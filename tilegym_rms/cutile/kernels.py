@@ -58,11 +58,12 @@ def _sum_sq(xf):
 
 
 def _rstd_from_sum_sq(sum_sq, n, eps, CAST, dtype):
-    """``1 / sqrt(sum_sq / n + eps)``; in ``none`` mode the mean and rstd are rounded to ``dtype``."""
-    mean_sq = sum_sq / n
+    """``1 / sqrt(sum_sq / n + eps)`` in fp32; ``none`` mode rounds rstd to ``dtype`` (the mean square
+    stays fp32: in fp16 it would overflow)."""
+    r = ct.rsqrt(sum_sq / n + eps)
     if CAST == CAST_NONE:
-        return _round_to(ct.rsqrt(_round_to(mean_sq, dtype) + eps), dtype)
-    return ct.rsqrt(mean_sq + eps)
+        return _round_to(r, dtype)
+    return r
 
 
 def _normalize(xf, r, wt, CAST, dtype):
