@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
-from .reference import CASTING_MODES, FUSED_ADD_MODES
+from .reference import CASTING_MODES, FUSED_ADD_MODES, compute_dtype
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -20,8 +21,8 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def check_inputs(x, weight, eps, offset, casting_mode) -> int:
-    """Validates the arguments shared by every entry point; returns the hidden size N.
+def check_inputs(x, weight, eps, offset, casting_mode) -> tuple[float, float]:
+    """Validates the arguments shared by every entry point; returns ``(eps, offset)`` as Python floats.
 
     Runs on every call, so valid arguments pass one combined test each; the messages are built only
     for arguments that fail it."""
@@ -36,17 +37,32 @@ def check_inputs(x, weight, eps, offset, casting_mode) -> int:
         or weight.device != x.device
     ):
         _explain_weight(weight, x, n)
-    if type(eps) is not float or not eps >= 0.0:  # NaN fails ``>=``; ints take the slow path
-        _check_eps(eps)
-    if type(offset) is not float and (isinstance(offset, bool) or not isinstance(offset, (int, float))):
-        raise TypeError(f"offset must be a number, got {type(offset).__name__}")
+    if type(eps) is not float or not eps >= 0.0:  # NaN fails ``>=``; other types take the slow path
+        eps = _real_scalar("eps", eps)
+        if not eps >= 0.0:
+            raise ValueError(f"eps must be a non-negative real number, got {eps!r}")
+    if type(offset) is not float:
+        offset = _real_scalar("offset", offset)
     if weight is None and offset != 0:
         raise ValueError(
             "offset applies to the weight (y = x * rstd * (offset + weight)): with weight=None it must be 0"
         )
     if casting_mode not in CASTING_MODES:
         raise ValueError(f"casting_mode must be one of {', '.join(map(repr, CASTING_MODES))}, got {casting_mode!r}")
-    return n
+    return eps, offset
+
+
+def _real_scalar(name: str, value) -> float:
+    """A Python float from a real-number scalar: int, float, a numpy scalar or a 0-dim CPU tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and value.device.type == "cpu" and not value.is_complex() and value.dtype != torch.bool:
+            return float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(
+        f"{name} must be a real number (int, float, a numpy scalar or a 0-dim CPU tensor), "
+        f"got {type(value).__name__}: {value!r}"
+    )
 
 
 def _explain_x(x) -> None:
@@ -65,11 +81,6 @@ def _explain_weight(weight, x, n: int) -> None:
     raise ValueError(f"x and weight must be on the same device, got x on {x.device}, weight on {weight.device}")
 
 
-def _check_eps(eps) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or math.isnan(eps) or eps < 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
-
-
 def check_dtype_for_backend(x, backend_name: str, supported) -> None:
     if x.dtype not in supported:
         hint = " (use backend='torch' for float64)" if x.dtype == torch.float64 else ""
@@ -77,7 +88,7 @@ def check_dtype_for_backend(x, backend_name: str, supported) -> None:
 
 
 def check_like(name: str, t, x) -> None:
-    """``t`` must match ``x`` in shape and device (dy, residual)."""
+    """``t`` must match ``x`` in shape and device and be floating point (dy, residual)."""
     check_tensor(name, t)
     if t.shape != x.shape:
         raise ValueError(f"{name} must have the shape of x {tuple(x.shape)}, got {tuple(t.shape)}")
@@ -88,11 +99,19 @@ def check_like(name: str, t, x) -> None:
 
 
 def check_rstd(rstd, x) -> None:
+    """``rstd`` as :func:`tilegym_rms.rms_norm_forward` returns it: one value per row of ``x``, on its
+    device, fp32 (fp64 for fp64 ``x``). Any other dtype would be read as garbage by the kernels."""
     check_tensor("rstd", rstd)
-    if rstd.numel() != x.numel() // max(x.shape[-1], 1) or rstd.device != x.device:
+    rows = math.prod(x.shape[:-1])
+    if rstd.numel() != rows or rstd.device != x.device:
         raise ValueError(
-            f"rstd must hold one value per row of x ({x.numel() // max(x.shape[-1], 1)} on {x.device}), "
+            f"rstd must hold one value per row of x ({rows} on {x.device}), "
             f"got shape {tuple(rstd.shape)} on {rstd.device}"
+        )
+    if rstd.dtype != compute_dtype(x.dtype):
+        raise TypeError(
+            f"rstd must be {_dtype_names([compute_dtype(x.dtype)])} for x of dtype {_dtype_names([x.dtype])} "
+            f"(as rms_norm_forward returns it), got {_dtype_names([rstd.dtype])}"
         )
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from . import _checks
+from . import _checks, reference
 from .dispatch import backend_module, resolve_backend
 
 # ----------------------------------------------------------------------------------------------
@@ -42,10 +42,21 @@ def _dense_weight(weight):
     return weight if weight is None or weight.is_contiguous() else weight.contiguous()
 
 
+def _empty_forward(x, eps, store_rstd):
+    """Empty input: no kernel runs. A last dim of 0 still has rows: their mean square is 0."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if not store_rstd:
+        return y, None
+    rstd = x.new_full(x.shape[:-1], eps**-0.5 if eps > 0 else float("inf"), dtype=reference.compute_dtype(x.dtype))
+    return y, rstd
+
+
 def _forward(x, weight, eps, offset, casting_mode, backend, mode=None, store_rstd=True):
     """``(y, rstd)`` with ``y`` shaped like ``x`` and ``rstd`` shaped ``x.shape[:-1]`` (or None
     when not ``store_rstd``: no backward will follow)."""
     module = _backend(x, backend)
+    if x.numel() == 0:
+        return _empty_forward(x, eps, store_rstd)
     x2, w = _rows(x, x.shape[-1]), _dense_weight(weight)
     if mode is None:  # only the cutile backend takes a mode
         y, rstd = module.forward(x2, w, eps, offset, casting_mode, store_rstd=store_rstd)
@@ -58,6 +69,10 @@ def _forward(x, weight, eps, offset, casting_mode, backend, mode=None, store_rst
 
 def _backward(dy, x, weight, rstd, offset, casting_mode, backend):
     module = _backend(x, backend)
+    if x.numel() == 0:
+        return torch.empty_like(x, memory_format=torch.contiguous_format), (
+            torch.zeros_like(weight) if weight is not None else None
+        )
     n = x.shape[-1]
     rows = rstd if rstd.dim() == 1 else rstd.reshape(-1)
     dx, dw = module.backward(_rows(dy, n), _rows(x, n), _dense_weight(weight), rows, offset, casting_mode)
@@ -70,19 +85,26 @@ def _backward(dy, x, weight, rstd, offset, casting_mode, backend):
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """``y = rms_norm(x)``; saves ``x``, ``weight`` and ``rstd`` for the backward."""
+    """``y = rms_norm(x)``; saves ``x``, ``weight`` and ``rstd`` for the backward.
+
+    With ``create_graph=True`` (grad mode on inside backward) the backward is computed with
+    differentiable torch math instead of the kernels, so that double backward is exact."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting_mode, backend, mode):
         y, rstd = _forward(x, weight, eps, offset, casting_mode, backend, mode)
         ctx.save_for_backward(x, weight, rstd)
         ctx.config = (offset, casting_mode, backend)
+        ctx.eps = eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(dy, x, weight, rstd, *ctx.config)
+        if torch.is_grad_enabled():
+            dx, dw = reference.rms_norm_backward_differentiable(dy, x, weight, rstd, ctx.eps, ctx.config[0])
+        else:
+            dx, dw = _backward(dy, x, weight, rstd, *ctx.config)
         return dx, dw, None, None, None, None, None
 
 
@@ -159,7 +181,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
         x: any shape ``(..., N)``; float32, float16 or bfloat16 (float64 on the torch backend).
             Non-contiguous inputs are fine (strided rows are read in place; others are copied once).
         weight: ``(N,)`` of any floating dtype, or None for RMSNorm without affine.
-        eps: added to the mean square; ``>= 0``.
+        eps: added to the mean square; a real number ``>= 0`` (int, float, numpy scalar or 0-dim CPU tensor).
         offset: added to the weight (Gemma uses 1.0); must be 0 without a weight.
         casting_mode: ``"llama"``, ``"gemma"`` or ``"none"``; see :mod:`tilegym_rms.reference`.
         backend: ``"cutile"``, ``"triton"``, ``"torch"`` or None (choose; ``TILEGYM_RMS_BACKEND``
@@ -167,12 +189,15 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
         mode: forward kernel of the cutile backend (``"gather"`` / ``"persistent"``); None chooses.
 
     Returns:
-        ``y``, with the shape and dtype of ``x``.
+        ``y``, with the shape and dtype of ``x``. Empty inputs (any dim 0) give empty outputs.
+
+    Double backward (``create_graph=True``) works in eager mode (the backward is then computed with
+    torch math); ``torch.compile`` does not support it.
     """
-    _checks.check_inputs(x, weight, eps, offset, casting_mode)
+    eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
     name = resolve_backend(x.device, backend)
     if torch.compiler.is_compiling():
-        return _rms_norm_fwd_op(x, weight, float(eps), float(offset), casting_mode, name, mode)[0]
+        return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, name, mode)[0]
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, name, mode)
     return _forward(x, weight, eps, offset, casting_mode, name, mode, store_rstd=False)[0]
@@ -180,17 +205,18 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
 
 def rms_norm_forward(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None, mode=None):
     """Forward without autograd: returns ``(y, rstd)``, ``rstd`` fp32 of shape ``x.shape[:-1]``
-    (what :func:`rms_norm_backward` takes). Arguments as :func:`rms_norm`."""
-    _checks.check_inputs(x, weight, eps, offset, casting_mode)
+    (what :func:`rms_norm_backward` takes; fp64 for fp64 ``x``). Arguments as :func:`rms_norm`."""
+    eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
     with torch.no_grad():
         return _forward(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), mode)
 
 
 def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode="llama", backend=None):
     """Standalone backward (no autograd graph): returns ``(dx, dw)`` for ``y = rms_norm(x, weight)``
-    given the upstream gradient ``dy`` and the ``rstd`` of :func:`rms_norm_forward`. ``dw`` is None
-    when ``weight`` is None. Deterministic: the same inputs give bitwise the same ``dw``."""
-    _checks.check_inputs(x, weight, 0.0, offset, casting_mode)
+    given the upstream gradient ``dy`` and the ``rstd`` of :func:`rms_norm_forward` (fp32, or fp64
+    for fp64 ``x``; other dtypes raise TypeError). ``dw`` is None when ``weight`` is None.
+    Deterministic: the same inputs give bitwise the same ``dw``."""
+    _, offset = _checks.check_inputs(x, weight, 0.0, offset, casting_mode)
     _checks.check_like("dy", dy, x)
     _checks.check_rstd(rstd, x)
     with torch.no_grad():
@@ -212,16 +238,16 @@ def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, backend: str, d
 
 def _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend):
     module = _backend(x, backend)
-    n = x.shape[-1]
+    _checks.check_dtype_for_backend(residual, backend, module.SUPPORTED_DTYPES)
     fused = getattr(module, "fused_add_forward", None)
-    if fused is not None:
-        w = _dense_weight(weight)
+    if fused is not None and residual.dtype == x.dtype and x.numel() > 0:
+        n, w = x.shape[-1], _dense_weight(weight)
         y, res_out, rstd = fused(_rows(x, n), _rows(residual, n), w, eps, mode, offset, casting_mode)
-        res_out = res_out.view(x.shape) if mode == "pre" else None
-    else:  # a backend without a fused kernel: the add in torch, the norm in the backend's kernel
-        res_out = x + residual
-        y, rstd = module.forward(_rows(res_out, n), _dense_weight(weight), eps, offset, casting_mode)
-    return y.view(x.shape), res_out, rstd.view(x.shape[:-1])
+        return y.view(x.shape), (res_out.view(x.shape) if mode == "pre" else None), rstd.view(x.shape[:-1])
+    # No fused kernel for this backend or dtype pair: the add in torch, the norm in the backend.
+    s = reference.fused_add_sum(x, residual)
+    y, rstd = _forward(s, weight, eps, offset, casting_mode, backend)
+    return y.to(x.dtype), (s if mode == "pre" else None), rstd
 
 
 def _fused_add_saved(x, residual, res_out, mode):
@@ -230,34 +256,47 @@ def _fused_add_saved(x, residual, res_out, mode):
 
 
 def _fused_add_backward(norm_backward, a, b, weight, rstd, mode, offset, casting_mode, backend, dy, dres):
-    """Gradients ``(dx = dresidual, dw)`` of the fused add; ``norm_backward`` is the RMSNorm backward
-    to use (eager function or custom op), ``dres`` the gradient of a written ``residual_out``."""
-    s = a if mode == "pre" else a + b
+    """Gradients ``(ds, dw)`` of the fused add (``ds`` in the sum's dtype, the gradient of ``x`` and
+    of ``residual`` up to a cast); ``norm_backward`` is the RMSNorm backward to use (eager function
+    or custom op), ``dres`` the gradient of a written ``residual_out``."""
+    s = a if mode == "pre" else reference.fused_add_sum(a, b)
     if dy is None:  # only residual_out was used
         dy = torch.zeros_like(s)
     if mode == "post" and dres is not None:
         dy = dy + dres  # residual_out is y: its gradient flows into the norm too
-    ds, dw = norm_backward(dy, s, weight, rstd, offset, casting_mode, backend)
+    ds, dw = norm_backward(dy.to(s.dtype), s, weight, rstd, offset, casting_mode, backend)
     if mode == "pre" and dres is not None:
         ds = ds + dres
     return ds, dw
 
 
+def _differentiable_norm_backward(eps):
+    """A ``norm_backward`` for :func:`_fused_add_backward` that autograd can differentiate again."""
+
+    def norm_backward(dy, s, weight, rstd, offset, casting_mode, backend):
+        return reference.rms_norm_backward_differentiable(dy, s, weight, rstd, eps, offset)
+
+    return norm_backward
+
+
 class FusedAddRMSNormFunction(torch.autograd.Function):
-    """``(y, residual_out)`` of :func:`fused_add_rms_norm` (eager path)."""
+    """``(y, residual_out)`` of :func:`fused_add_rms_norm` (eager path; double backward as in
+    :class:`RMSNormFunction`)."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, mode, offset, casting_mode, backend):
         y, res_out, rstd = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend)
         ctx.save_for_backward(*_fused_add_saved(x, residual, res_out, mode), weight, rstd)
         ctx.config = (mode, offset, casting_mode, backend)
+        ctx.eps, ctx.x_dtype = eps, x.dtype
         # "post": residual_out is y; a second output slot lets autograd hand its gradient to backward.
         return y, (res_out if mode == "pre" else y.detach())
 
     @staticmethod
     def backward(ctx, dy, dres):
-        ds, dw = _fused_add_backward(_backward, *ctx.saved_tensors, *ctx.config, dy, dres)
-        return ds, ds, dw, None, None, None, None, None
+        norm_backward = _differentiable_norm_backward(ctx.eps) if torch.is_grad_enabled() else _backward
+        ds, dw = _fused_add_backward(norm_backward, *ctx.saved_tensors, *ctx.config, dy, dres)
+        return ds.to(ctx.x_dtype), ds, dw, None, None, None, None, None
 
 
 @torch.library.custom_op("tilegym_rms::fused_add_rms_norm_fwd", mutates_args=())
@@ -278,15 +317,16 @@ def _fused_add_fwd_op(
 
 @_fused_add_fwd_op.register_fake
 def _(x, residual, weight, eps, mode, offset, casting_mode, backend):
-    rstd_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    res_out = torch.empty_like(x) if mode == "pre" else x.new_empty((0,))
-    return torch.empty_like(x), res_out, x.new_empty(x.shape[:-1], dtype=rstd_dtype)
+    res_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if mode == "pre" else x.new_empty((0,))
+    rstd = x.new_empty(x.shape[:-1], dtype=reference.compute_dtype(residual.dtype))
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), res_out, rstd
 
 
 def _fused_op_setup_context(ctx, inputs, output):
     x, residual, weight, _eps, mode, offset, casting_mode, backend = inputs
     ctx.save_for_backward(*_fused_add_saved(x, residual, output[1], mode), weight, output[2])
     ctx.config = (mode, offset, casting_mode, backend)
+    ctx.x_dtype = x.dtype
 
 
 def _bwd_op_with_optional_dw(dy, x, weight, rstd, offset, casting_mode, backend):
@@ -300,7 +340,7 @@ def _fused_op_backward(ctx, dy, dres, _drstd):
     ds, dw = _fused_add_backward(
         _bwd_op_with_optional_dw, a, b, weight, rstd, *ctx.config, dy, dres if mode == "pre" else None
     )
-    return ds, ds, dw, None, None, None, None, None
+    return ds.to(ctx.x_dtype), ds, dw, None, None, None, None, None
 
 
 _fused_add_fwd_op.register_autograd(_fused_op_backward, setup_context=_fused_op_setup_context)
@@ -313,14 +353,19 @@ def fused_add_rms_norm(
 
     ``mode="pre"`` (pre-norm blocks): ``residual_out = x + residual``, ``y = rms_norm(residual_out)``.
     ``mode="post"``: ``y = rms_norm(x + residual)``, ``residual_out = y`` (the sum is never written).
-    Differentiable in ``x``, ``residual`` and ``weight``. Other arguments as :func:`rms_norm`.
+    Differentiable in ``x``, ``residual`` and ``weight`` (double backward as :func:`rms_norm`).
+
+    ``residual`` may have another floating dtype than ``x`` (an fp32 residual stream beside 16-bit
+    activations): the sum is taken in the promoted dtype and kept in ``residual``'s dtype, so
+    ``residual_out`` (mode "pre") has ``residual``'s dtype and ``y`` has ``x``'s. Other arguments as
+    :func:`rms_norm`.
     """
-    _checks.check_inputs(x, weight, eps, offset, casting_mode)
+    eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
     _checks.check_like("residual", residual, x)
     _checks.check_fused_mode(mode)
     name = resolve_backend(x.device, backend)
     if torch.compiler.is_compiling():
-        y, res_out, _ = _fused_add_fwd_op(x, residual, weight, float(eps), mode, float(offset), casting_mode, name)
+        y, res_out, _ = _fused_add_fwd_op(x, residual, weight, eps, mode, offset, casting_mode, name)
         return y, (res_out if mode == "pre" else y)
     needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
     if torch.is_grad_enabled() and needs_grad:
