@@ -7,6 +7,7 @@ import math
 import torch
 
 from .ops import rms_norm
+from .reference import compute_dtype
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -15,7 +16,12 @@ class RMSNorm(torch.nn.RMSNorm):
     Same constructor as ``torch.nn.RMSNorm`` plus ``offset`` (added to the weight: Gemma uses 1.0),
     ``casting_mode`` (``"llama"``, ``"gemma"``, ``"none"``) and ``backend`` (None chooses). A
     multi-dim ``normalized_shape`` normalizes over the trailing dims together, as torch does.
-    ``eps=None`` means ``torch.finfo(x.dtype).eps``, as in torch.
+
+    ``eps=None`` means the machine epsilon of the dtype torch computes in: fp32's for fp32, fp16 and
+    bf16 inputs, fp64's for fp64 (what ``torch.nn.RMSNorm`` does, whatever its docstring says).
+
+    The weight starts at ``1 - offset``, so that a fresh norm scales by ``offset + weight = 1``
+    (zeros for Gemma's ``offset=1``, as Hugging Face's Gemma initializes it).
     """
 
     def __init__(
@@ -32,13 +38,17 @@ class RMSNorm(torch.nn.RMSNorm):
     ):
         if offset != 0 and not elementwise_affine:
             raise ValueError("offset is added to the weight: it needs elementwise_affine=True")
+        self.offset = offset  # before super().__init__, which calls reset_parameters
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, device=device, dtype=dtype)
-        self.offset = offset
         self.casting_mode = casting_mode
         self.backend = backend
 
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.constant_(self.weight, 1.0 - self.offset)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = self.eps if self.eps is not None else torch.finfo(compute_dtype(x.dtype)).eps
         dims = len(self.normalized_shape)
         if tuple(x.shape[x.dim() - dims :]) != tuple(self.normalized_shape):
             raise ValueError(f"expected input with trailing shape {tuple(self.normalized_shape)}, got {tuple(x.shape)}")
