@@ -1,0 +1,443 @@
+"""Drop-in behaviour a new user meets first: compile as the first call, double backward, torch.nn.RMSNorm
+parity, empty and zero-width inputs, fp16 overflow in casting mode "none", rstd and eps types, mixed
+dtypes in the fused add, Gemma-style initialisation.
+
+CPU tests use the torch backend; the Triton backend runs in a fresh subprocess under the interpreter
+(``TRITON_INTERPRET`` must be set before Triton sees the kernels); the ``gpu`` tests run the same checks
+on the cuTile and Triton backends.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from conftest import rel_err
+
+import tilegym_rms
+from tilegym_rms import reference
+
+
+def run_fresh(code: str, env: dict | None = None, timeout: int = 600) -> str:
+    """Runs ``code`` in a new Python process (nothing imported or compiled yet); returns its stdout."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=timeout
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. torch.compile(fullgraph=True) as the first call of a process
+# ----------------------------------------------------------------------------------------------
+
+COMPILE_FIRST = """
+    import torch, tilegym_rms
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), tilegym_rms.RMSNorm(32))
+    w = torch.randn(32, requires_grad=True)
+
+    def fused(x, r):
+        y, res = tilegym_rms.fused_add_rms_norm(x, r, w)
+        return (y * 2 + res).sum()
+
+    x = torch.randn(4, 16, device=DEVICE)
+    model = model.to(DEVICE)
+    compiled = torch.compile(model, fullgraph=True)  # before any eager tilegym_rms call
+    compiled(x).square().sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for a, p in zip(got, model.parameters()):
+        assert torch.allclose(a, p.grad, rtol=1e-4, atol=1e-5), (a, p.grad)
+    w.data = w.data.to(DEVICE)
+    xs = [torch.randn(4, 32, device=DEVICE, requires_grad=True) for _ in range(2)]
+    torch.compile(fused, fullgraph=True)(*xs).backward()
+    print("ok")
+"""
+
+
+def test_compile_fullgraph_as_first_call_in_a_fresh_process():
+    assert run_fresh("DEVICE = 'cpu'\n" + textwrap.dedent(COMPILE_FIRST)).strip().endswith("ok")
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph_as_first_call_on_gpu():
+    assert run_fresh("DEVICE = 'cuda'\n" + textwrap.dedent(COMPILE_FIRST)).strip().endswith("ok")
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Double backward
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
+@pytest.mark.parametrize("weight,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])
+def test_gradgradcheck_rms_norm(casting_mode, weight, offset):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 9, dtype=torch.float64, requires_grad=True)
+    inputs = (x,) + ((torch.randn(9, dtype=torch.float64, requires_grad=True),) if weight else ())
+    fn = lambda x, *w: tilegym_rms.rms_norm(x, *(w or (None,)), 1e-5, offset=offset, casting_mode=casting_mode)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+def test_gradgradcheck_module():
+    torch.manual_seed(1)
+    norm = tilegym_rms.RMSNorm(11, eps=1e-5, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(4, 11, dtype=torch.float64, requires_grad=True)
+    fn = lambda x, w: torch.func.functional_call(norm, {"weight": w}, (x,))
+    assert torch.autograd.gradgradcheck(fn, (x, norm.weight))
+
+
+@pytest.mark.parametrize("mode", ["pre", "post"])
+def test_gradgradcheck_fused_add(mode):
+    torch.manual_seed(2)
+    x, r = (torch.randn(3, 10, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = torch.randn(10, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, r, w):
+        y, res = tilegym_rms.fused_add_rms_norm(x, r, w, 1e-5, mode=mode, offset=0.5)
+        return y * 2 + res.sin()
+
+    assert torch.autograd.gradgradcheck(fn, (x, r, w))
+
+
+def second_order(backend, device, dtype=torch.float32, fused=False, seed=3):
+    """``d/d(x, w) <grad_x(<y, dy>), v>``: a second derivative, through ``create_graph=True``."""
+    g = torch.Generator().manual_seed(seed)
+    x, r, dy, v = (torch.randn(5, 40, generator=g, dtype=torch.float64) for _ in range(4))
+    w = torch.randn(40, generator=g, dtype=torch.float64)
+    x, r, w = (t.to(device, dtype).requires_grad_() for t in (x, r, w))
+    dy, v = dy.to(device, dtype), v.to(device, dtype)
+    if fused:
+        y, res = tilegym_rms.fused_add_rms_norm(x, r, w, 1e-5, offset=0.5, backend=backend)
+        out = (y * dy).sum() + res.square().sum()
+    else:
+        out = (tilegym_rms.rms_norm(x, w, 1e-5, offset=0.5, backend=backend) * dy).sum()
+    (gx,) = torch.autograd.grad(out, x, create_graph=True)
+    return torch.autograd.grad((gx * v).sum(), (x, w) + ((r,) if fused else ()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("backend", ["cutile", "triton"])
+def test_double_backward_kernel_backends_match_fp64(backend, fused):
+    got = second_order(backend, "cuda", fused=fused)
+    want = second_order("torch", "cpu", torch.float64, fused=fused)
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a.cpu(), b) <= 1e-4
+
+
+def test_double_backward_triton_interpreter_matches_fp64():
+    out = run_fresh(
+        """
+        import torch, sys
+        sys.path.insert(0, "tests")
+        from test_dropin import second_order
+        from conftest import rel_err
+        for fused in (False, True):
+            got = second_order("triton", "cpu", fused=fused)
+            want = second_order("torch", "cpu", torch.float64, fused=fused)
+            print(max(rel_err(a, b) for a, b in zip(got, want, strict=True)))
+        """,
+        env={"TRITON_INTERPRET": "1"},
+    )
+    assert all(float(line) <= 1e-4 for line in out.split())
+
+
+def test_double_backward_under_compile_raises_torchs_error():
+    """torch.compile does not support double backward: torch says so (no silent wrong answer)."""
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    torch._dynamo.reset()
+    y = torch.compile(lambda x, w: tilegym_rms.rms_norm(x, w), fullgraph=True, backend="aot_eager")(x, w)
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward|does not require grad|not supported"):
+        torch.autograd.grad(gx.sum(), w)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3 and 10. RMSNorm module: eps=None and the initial weight
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_module_default_eps_matches_torch(dtype):
+    """Small activations make eps matter: a 16-bit eps would change every output."""
+    torch.manual_seed(4)
+    x = (torch.randn(6, 64) * 1e-3).to(dtype).requires_grad_()
+    ours, theirs = tilegym_rms.RMSNorm(64, dtype=dtype), torch.nn.RMSNorm(64, dtype=dtype)
+    y_ours, y_theirs = ours(x), theirs(x)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(y_ours, y_theirs) <= tol
+    (gx_ours,) = torch.autograd.grad(y_ours.float().square().sum(), x)
+    (gx_theirs,) = torch.autograd.grad(y_theirs.float().square().sum(), x)
+    assert rel_err(gx_ours, gx_theirs) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_module_offset_initialises_the_effective_weight_to_one():
+    x = torch.randn(3, 16)
+    plain = torch.nn.RMSNorm(16, eps=1e-6)(x)
+    for offset in (0.0, 1.0, 0.25):
+        norm = tilegym_rms.RMSNorm(16, eps=1e-6, offset=offset, casting_mode="gemma")
+        assert torch.equal(norm.weight.detach(), torch.full((16,), 1.0 - offset))
+        assert rel_err(norm(x), plain) <= 1e-6
+        norm.weight.data.fill_(5.0)
+        norm.reset_parameters()
+        assert torch.equal(norm.weight.detach(), torch.full((16,), 1.0 - offset))
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Empty inputs, a last dim of 0 included
+# ----------------------------------------------------------------------------------------------
+
+EMPTY_SHAPES = [(3, 0), (0, 5), (2, 0, 4), (0,), (4, 2, 0)]
+
+
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_empty_inputs_give_empty_outputs_and_grads(shape, with_weight):
+    n = shape[-1]
+    x = torch.randn(shape, requires_grad=True)
+    w = torch.randn(n, requires_grad=True) if with_weight else None
+    y = tilegym_rms.rms_norm(x, w)
+    y.sum().backward()
+    assert y.shape == shape and x.grad.shape == shape
+    if with_weight:
+        assert torch.equal(w.grad, torch.zeros(n))
+    y2, rstd = tilegym_rms.rms_norm_forward(x.detach(), w)
+    assert y2.shape == shape and rstd.shape == shape[:-1] and rstd.dtype == torch.float32
+    dx, dw = tilegym_rms.rms_norm_backward(x.detach(), torch.randn(shape), w, rstd)
+    assert dx.shape == shape and (dw is None if w is None else torch.equal(dw, torch.zeros(n)))
+    r = torch.randn(shape, requires_grad=True)
+    out, res = tilegym_rms.fused_add_rms_norm(x, r, w)
+    (out.sum() + res.sum()).backward()
+    assert out.shape == res.shape == shape and r.grad.shape == shape
+
+
+def test_zero_width_rows_have_the_reference_rstd():
+    _, rstd = tilegym_rms.rms_norm_forward(torch.randn(3, 0), eps=0.25)
+    assert torch.equal(rstd, torch.full((3,), 2.0))
+    _, ref_rstd = reference.rms_norm_forward(torch.randn(3, 0), eps=0.25)
+    assert torch.equal(ref_rstd, rstd)
+
+
+def test_empty_inputs_on_triton_interpreter():
+    out = run_fresh(
+        """
+        import torch, tilegym_rms
+        for shape in [(3, 0), (0, 5), (2, 0, 4)]:
+            x = torch.randn(shape, requires_grad=True)
+            w = torch.randn(shape[-1], requires_grad=True)
+            y = tilegym_rms.rms_norm(x, w, backend="triton")
+            y.sum().backward()
+            y2, res = tilegym_rms.fused_add_rms_norm(x, torch.randn(shape), w, backend="triton")
+            assert y.shape == y2.shape == res.shape == shape and x.grad.shape == shape
+            assert torch.equal(w.grad, torch.zeros(shape[-1]))
+        print("ok")
+        """,
+        env={"TRITON_INTERPRET": "1"},
+    )
+    assert out.strip() == "ok"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cutile", "triton"])
+@pytest.mark.parametrize("shape", EMPTY_SHAPES, ids=str)
+def test_empty_inputs_on_gpu(backend, shape):
+    x = torch.randn(shape, device="cuda", requires_grad=True)
+    w = torch.randn(shape[-1], device="cuda", requires_grad=True)
+    y = tilegym_rms.rms_norm(x, w, backend=backend)
+    y.sum().backward()
+    assert y.shape == shape and x.grad.shape == shape and torch.equal(w.grad, torch.zeros_like(w))
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. casting_mode="none" in fp16: no overflow of the mean square
+# ----------------------------------------------------------------------------------------------
+
+
+def fp16_none_case():
+    torch.manual_seed(5)
+    # Row RMS from about 0.6 to 35000 (uniform values stay under fp16's 65504); fp16's mean square
+    # overflows from an RMS of 256 on.
+    scale = torch.tensor([1, 100, 300, 1000, 3000, 10000, 30000, 60000])[:, None]
+    x = ((torch.rand(8, 256) * 2 - 1) * scale).half()
+    w = torch.rand(256).half() + 0.5
+    return x, w
+
+
+def fp64_math(x, w, eps=1e-6):
+    xd = x.double()
+    return xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + eps) * w.double()
+
+
+def test_fp16_none_mode_large_rows_are_not_zero():
+    x, w = fp16_none_case()
+    y = tilegym_rms.rms_norm(x, w, casting_mode="none")
+    assert torch.isfinite(y).all()
+    # fp16 roundings (rstd is subnormal in fp16 for the widest rows), never zeros
+    assert rel_err(y, fp64_math(x, w)) <= 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cutile", "triton"])
+def test_fp16_none_mode_on_gpu(backend):
+    x, w = fp16_none_case()
+    y, rstd = tilegym_rms.rms_norm_forward(x.cuda(), w.cuda(), casting_mode="none", backend=backend)
+    y_ref, rstd_ref = reference.rms_norm_forward(x, w, 1e-6, casting_mode="none")
+    assert rel_err(y.cpu(), fp64_math(x, w)) <= 5e-3
+    assert rel_err(y.cpu(), y_ref) <= 2e-3 and rel_err(rstd.cpu(), rstd_ref) <= 1e-3
+
+
+def test_fp16_none_mode_on_triton_interpreter():
+    out = run_fresh(
+        """
+        import sys, torch, tilegym_rms
+        sys.path.insert(0, "tests")
+        from test_dropin import fp16_none_case, fp64_math
+        from conftest import rel_err
+        x, w = fp16_none_case()
+        print(rel_err(tilegym_rms.rms_norm(x, w, casting_mode="none", backend="triton"), fp64_math(x, w)))
+        """,
+        env={"TRITON_INTERPRET": "1"},
+    )
+    assert float(out) <= 5e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. rstd must be what rms_norm_forward returns
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [torch.int64, torch.bool, torch.float16, torch.float64])
+def test_backward_rejects_an_rstd_of_another_dtype(bad):
+    x = torch.randn(4, 8)
+    _, rstd = tilegym_rms.rms_norm_forward(x)
+    with pytest.raises(TypeError, match="rstd must be float32 for x of dtype float32"):
+        tilegym_rms.rms_norm_backward(x, torch.randn(4, 8), None, rstd.to(bad))
+
+
+def test_backward_takes_fp64_rstd_for_fp64_input():
+    x = torch.randn(4, 8, dtype=torch.float64)
+    _, rstd = tilegym_rms.rms_norm_forward(x)
+    assert rstd.dtype == torch.float64
+    dx, _ = tilegym_rms.rms_norm_backward(x, torch.ones_like(x), None, rstd)
+    with pytest.raises(TypeError, match="rstd must be float64"):
+        tilegym_rms.rms_norm_backward(x, torch.ones_like(x), None, rstd.float())
+    assert dx.dtype == torch.float64
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Fused add with an fp32 residual stream
+# ----------------------------------------------------------------------------------------------
+
+
+def mixed_fused_case(device, backend, mode, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(6, 48, generator=g).to(device, dtype).requires_grad_()
+    r = torch.randn(6, 48, generator=g).to(device).requires_grad_()  # fp32 residual stream
+    w = (torch.randn(48, generator=g) * 0.1 + 1).to(device).requires_grad_()
+    y, res = tilegym_rms.fused_add_rms_norm(x, r, w, mode=mode, backend=backend)
+    dy = torch.randn(6, 48, generator=g).to(device)
+    (y.float() * dy).sum().add_((res.float() * 0.5).sum()).backward()
+    return (x, r, w), (y, res), dy
+
+
+def check_mixed_fused(device, backend, mode):
+    (x, r, w), (y, res), dy = mixed_fused_case(device, backend, mode)
+    assert y.dtype == x.dtype and x.grad.dtype == x.dtype and r.grad.dtype == torch.float32
+    assert res.dtype == (torch.float32 if mode == "pre" else x.dtype)
+    # fp64 math of the documented rule: s = x + r (fp32), y = norm(s) in x's dtype
+    xd, rd, wd = (t.detach().double().cpu().requires_grad_() for t in (x, r, w))
+    s = xd + rd
+    yd = s * torch.rsqrt(s.square().mean(-1, keepdim=True) + 1e-6) * wd
+    resd = s if mode == "pre" else yd
+    (yd * dy.double().cpu()).sum().add((resd * 0.5).sum()).backward()
+    assert rel_err(y.cpu(), yd) <= 1e-2 and rel_err(res.cpu(), resd) <= (1e-6 if mode == "pre" else 1e-2)
+    for got, want in ((x.grad, xd.grad), (r.grad, rd.grad), (w.grad, wd.grad)):
+        assert rel_err(got.cpu(), want) <= 2e-2
+
+
+@pytest.mark.parametrize("mode", ["pre", "post"])
+def test_fused_add_fp32_residual_with_bf16_x(mode):
+    check_mixed_fused("cpu", None, mode)
+
+
+def test_fused_add_fp32_residual_on_triton_interpreter():
+    out = run_fresh(
+        """
+        import sys, torch
+        sys.path.insert(0, "tests")
+        from test_dropin import mixed_fused_case, check_mixed_fused
+        for mode in ("pre", "post"):
+            check_mixed_fused("cpu", "triton", mode)
+        print("ok")
+        """,
+        env={"TRITON_INTERPRET": "1"},
+    )
+    assert out.strip() == "ok"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["pre", "post"])
+@pytest.mark.parametrize("backend", ["cutile", "triton"])
+def test_fused_add_fp32_residual_on_gpu(backend, mode):
+    check_mixed_fused("cuda", backend, mode)
+
+
+def test_fused_add_fp32_residual_under_compile():
+    w = torch.randn(32, requires_grad=True)
+
+    def block(x, r):
+        y, res = tilegym_rms.fused_add_rms_norm(x, r, w)
+        return y, res
+
+    x, r = torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(4, 32)
+    torch._dynamo.reset()
+    y, res = torch.compile(block, fullgraph=True, backend="aot_eager")(x, r)
+    y_eager, res_eager = block(x, r)
+    assert (y.dtype, res.dtype) == (torch.bfloat16, torch.float32)
+    assert torch.equal(y, y_eager) and torch.equal(res, res_eager)
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. eps and offset as real-number scalars
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "eps", [1e-2, 1, np.float32(1e-2), np.float64(1e-2), torch.tensor(1e-2), torch.tensor(1e-2, dtype=torch.float64)]
+)
+def test_eps_accepts_real_scalars(eps):
+    x = torch.randn(3, 16) * 0.1
+    want = reference.rms_norm_forward(x, None, float(eps))[0]
+    assert torch.allclose(tilegym_rms.rms_norm(x, None, eps), want)
+
+
+@pytest.mark.parametrize(
+    "eps,exc,match",
+    [
+        ("1e-6", TypeError, "eps must be a real number .* got str"),
+        (torch.tensor([1e-6]), TypeError, "0-dim CPU tensor"),
+        (True, TypeError, "got bool"),
+        (-1e-6, ValueError, "non-negative"),
+        (np.float32(-1), ValueError, "non-negative"),
+        (torch.tensor(float("nan")), ValueError, "non-negative"),
+    ],
+)
+def test_eps_errors_say_what_type_is_wanted(eps, exc, match):
+    with pytest.raises(exc, match=match):
+        tilegym_rms.rms_norm(torch.randn(2, 4), None, eps)
+
+
+def test_offset_accepts_numpy_scalars():
+    x, w = torch.randn(3, 8), torch.randn(8)
+    want = reference.rms_norm_forward(x, w, 1e-6, 0.5)[0]
+    assert torch.equal(tilegym_rms.rms_norm(x, w, offset=np.float32(0.5)), want)
