@@ -18,30 +18,22 @@ from .._tiling import cdiv, next_pow2, prev_pow2
 
 FORWARD_MODES = ("gather", "persistent")
 
-# Widest row kept in registers as one tile; wider rows take the column-chunked kernels. Measured
-# (bench/NOTES.md): the forward streams at 91% of copy bandwidth with one 32768-wide bf16 row per block
-# of 8 warps (H100, experiment 17; 68% chunked); the backward, with x and dy of a 16384-wide row live,
-# beats its two-pass chunked kernels (which read x and dy twice) once it has 8 warps per block
-# (BWD_WIDE_WORKER_WARPS; H200: 67% vs 61%). The persistent forward (which the dispatcher no longer
-# picks for 16384-wide rows, see GATHER_MIN_N) takes tiles up to FWD_MAX_PERSISTENT_TILE_N.
+# Widest row kept in registers as one tile; wider rows take the column-chunked kernels. A whole row per
+# block streams faster than chunks that read it twice (experiments 10, 17). The persistent forward takes
+# tiles up to FWD_MAX_PERSISTENT_TILE_N (wider rows always take the gather kernel, see GATHER_MIN_N).
 FWD_MAX_SINGLE_TILE_N = 32768
 FWD_MAX_PERSISTENT_TILE_N = 16384
 BWD_MAX_SINGLE_TILE_N = 16384
-# Column chunk of the chunked kernels, and rows per tile in the chunked backward (4 x 4096 keeps
-# enough bytes in flight per block; 1 x 4096 reached only 28% of copy bandwidth in bf16). Forward
-# chunks of 16384 with one 8-warp block per SM: 4096 x 65536 bf16 at 80% against 68% with 8192-wide
-# chunks and 4 blocks (experiment 17): fewer rows in flight keep the second read of each row in L2.
+# Column chunk of the chunked kernels and rows per chunked backward tile: enough bytes in flight per
+# block, while few rows in flight keep a row's second read in L2 (experiment 17).
 FWD_CHUNK_N = 16384
 BWD_CHUNK_N = 4096
 BWD_CHUNK_TILE_M = 4
-# Elements per tile that the forward / backward aim for (enough bytes in flight per block). Wide
-# backward tiles take two 8192-wide rows per step: with 8 warps that reached 84% of copy bandwidth at
-# 32768 x 8192 bf16 on H200 against 75% with one row (experiment 11); narrow ones lose with 16384
-# (4096 x 2048: 34 us against 22 us, experiment 7).
+# Elements per tile that the forward / backward aim for (enough bytes in flight per block; wide
+# backward tiles take two rows per step, narrow ones lose with bigger tiles: experiments 7, 11).
 FWD_TILE_ELEMS = 16384
 # The persistent forward holds rows as a tile plus a tail tile (see split_row) once the padded tile
-# would be this wide: 12288 = 8192 + 4096 gained 1-4 points over one 16384-wide tile (bf16 and fp32),
-# while 5120 = 4096 + 1024 lost 6-14 points against one 8192-wide tile (H100, experiment 18).
+# would be this wide: narrower rows lost with the split (experiment 18).
 FWD_SPLIT_MIN_TILE_N = 16384
 BWD_NARROW_TILE_ELEMS = 8192
 BWD_WIDE_TILE_ELEMS = 16384
@@ -49,11 +41,8 @@ MAX_TILE_M = 16
 # Persistent grids: blocks launched per SM (at most one per row tile) and two compiler hints, for
 # narrow rows (at most NARROW_MAX_ROW padded columns) and wide ones: ``occupancy``, the blocks per SM
 # the compiler sizes its registers for, and ``num_worker_warps``, the warps of one block (0: the
-# compiler's choice).
-# From the bf16 sweep on H100 (bench/NOTES.md, experiment 6): left to itself the compiler built narrow
-# tiles for too few blocks (forward 4096 x 1024 at 14-69% of copy bandwidth, backward 4096 x 2048 at
-# 41%; with occupancy 2: 84% and 77%), while wide tiles (a whole 8192-wide row of x and dy live in the
-# backward) lose 10-30% when forced to 2 blocks per SM.
+# compiler's choice). Left to itself the compiler built narrow tiles for too few blocks, while wide
+# tiles lose when forced to share an SM (experiment 6).
 NARROW_MAX_ROW = 6144  # widest row (padded: tile plus tail tile) of the narrow class
 FWD_NARROW_BLOCKS_PER_SM = 2
 FWD_NARROW_OCCUPANCY = 2
@@ -61,48 +50,37 @@ FWD_NARROW_WORKER_WARPS = 0
 FWD_WIDE_BLOCKS_PER_SM = 2
 FWD_WIDE_OCCUPANCY = 0
 FWD_WIDE_WORKER_WARPS = 0
-# Rows of at most 1024 columns: 8 blocks per SM, still built for occupancy 2 (the extra blocks queue).
-# H100 bf16, experiments 15 and 18: 32768 x 1024 at 85% of copy bandwidth with 2, 90-91% with 4, 93-94%
-# with 8; 4096 x 1024 level (83%).
+# Rows of at most 1024 columns: more blocks per SM, still built for occupancy 2 (the extra blocks
+# queue and hide the short rows' latency; experiments 15, 18).
 FWD_TINY_TILE_N = 1024
 FWD_TINY_BLOCKS_PER_SM = 8
 BWD_NARROW_BLOCKS_PER_SM = 2
 BWD_NARROW_OCCUPANCY = 2
 BWD_NARROW_WORKER_WARPS = 0
-# Wide backward tiles (up to 16384 columns of x and dy in registers) need 8 warps: with the default
-# the 16384-wide single tile spilled (28% of copy bandwidth on H200; 67% with 8 warps, above the 61% of
-# the two-pass chunked kernels, experiment 10).
+# Wide backward tiles (up to 16384 columns of x and dy in registers) spill without 8 warps
+# (experiment 10).
 BWD_WIDE_BLOCKS_PER_SM = 1
 BWD_WIDE_OCCUPANCY = 1
 BWD_WIDE_WORKER_WARPS = 8
 # The forward uses the gather kernel (one row per block) while M is at most this many rows per SM:
-# with so few rows, a block per row spreads them widest, and the inference forward then skips the rstd
-# allocation. H100 bf16, experiment 18: 512 x 1024 in 2.4 us against 4.3 persistent, 512 x 8192 in
-# 6.7 against 8.5, 384 x 4096 in 3.9 against 4.4.
+# a block per row spreads few rows widest, and the inference forward then skips the rstd allocation
+# (experiment 18).
 GATHER_MAX_ROWS_PER_SM = 4
 # From GATHER_PREFERRED_MIN_M rows on, rows of GATHER_PREFERRED_MIN_N to GATHER_PREFERRED_MAX_N columns
-# take the gather kernel (wider ones below GATHER_MIN_N, e.g. 12288, keep the split persistent tile).
-# H100, % of copy bandwidth at 32768 rows, gather against persistent (experiments 13 and 18): bf16 2048
-# 97/89, 4096 100/93, 6144 97/91, 7168 100/92, 8192 100/93, 5120 90/92; fp32 5120 98/91, 7168 99/95. At
-# 1024 columns the persistent kernel is ahead (86/89), and at 4096 rows (one wave of it) level or ahead
-# at 4096-8192 columns.
+# take the gather kernel (experiments 13, 18); narrower rows and single waves stay persistent, wider
+# ones below GATHER_MIN_N (e.g. 12288) keep the split persistent tile.
 GATHER_PREFERRED_MIN_N = 2048
 GATHER_PREFERRED_MAX_N = 8192
-# ...except 16-bit rows that fill less than this share of their padded tile: bf16 5120 (62.5%) ran at
-# 78-91% of copy bandwidth with the gather kernel, varying between processes, and at 92% persistent
-# (experiment 18). fp32 5120 keeps the gather kernel (98-99% against 91%).
+# ...except 16-bit rows that fill less than this share of their padded tile (bf16 5120): with the
+# gather kernel their speed varied between processes (experiment 18).
 GATHER_PREFERRED_MIN_FILL_16BIT = 0.75
 GATHER_PREFERRED_MIN_M = 16384
-# From this row width on the gather kernel is used at every M: 4096 x 16384 bf16 at 95-96% against
-# 93% persistent, 32768 x 16384 at 100% against 95% (H100, experiment 18). Padded widths below it stay
-# persistent: 12288 (8192 + 4096 split) beat the 16384-wide gather tile by 11-12 points in bf16 (H200).
+# From this row width on the gather kernel is used at every M (experiment 18); padded widths below it
+# stay persistent, where the split tile wins.
 GATHER_MIN_N = 16384
 # Compiler hints of the gather kernel, ``(occupancy, num_worker_warps)`` (0: the compiler's choice),
 # by the widest single tile they apply to. Its blocks are short-lived, so several per SM keep rows in
-# flight, as many as the registers of a whole row allow (H100 bf16, experiments 13, 17 and 18, % of
-# copy): 2048: occupancy 8 (32768 x 2048: 97% against 70% with 4); 4096: 8 with 8 warps (100% against
-# 91% with 4); 8192: 4 (100% against 38% with 8); 16384: 2 (95-100% against 67-69% with 4); 32768: one
-# 8-warp block (151 registers a thread, no spill; 91%).
+# flight, as many as the registers of a whole row allow (experiments 13, 17, 18).
 GATHER_SINGLE_TILE_HINTS = ((2048, 8, 0), (4096, 8, 8), (8192, 4, 0), (16384, 2, 0), (32768, 1, 8))
 GATHER_CHUNKED_HINTS = (1, 8)  # FWD_CHUNK_N-wide chunks, see there
 
@@ -117,11 +95,9 @@ def _hints(**values: int) -> Hints:
 
 # Few rows (at most this many per SM) of at most BWD_DIRECT_MAX_TILE_N padded columns: the backward is one
 # launch, rms_norm_bwd_direct, whose extra blocks sum dw strips over all rows, instead of the persistent
-# kernel, a partial buffer and the reduction: one launch and one allocation fewer. H100 bf16, experiment
-# 21, device time: 64 x 4096 6.5 us against 8.6, 512 x 4096 11.2 against 11.8, 512 x 1024 4.4 against
-# 6.6; wider rows lost (512 x 8192 21.8 against 17.4, 512 x 5120 17.7 against 13.7: the strips' M-row
-# walk is the long pole) or tied (128 x 16384). Strips: at least one per SM where N allows, 16-64
-# columns, and about BWD_DIRECT_STRIP_ELEMS elements of x and of dy per step.
+# kernel, a partial buffer and the reduction; wider rows lost, the strips' M-row walk being the long
+# pole (experiment 21). Strips: at least one per SM where N allows, and about BWD_DIRECT_STRIP_ELEMS
+# elements of x and of dy per step.
 BWD_DIRECT_MAX_ROWS_PER_SM = 4
 BWD_DIRECT_MAX_TILE_N = 4096
 BWD_DIRECT_MIN_STRIP_N = 16
@@ -192,8 +168,7 @@ def _strip_width(n: int, num_sms: int, narrowest: int, widest: int) -> int:
 def split_row(n: int) -> tuple[int, int]:
     """``(TILE_N, TAIL_N)``: a row as one power-of-two tile, or as a tile plus a narrower power-of-two tail
     when that is narrower than the single padded tile (5120 = 4096 + 1024, 6144 = 4096 + 2048, 12288 =
-    8192 + 4096; 7168 stays 8192). Measured in the backward on H100 (experiment 12): 32768 x 5120 bf16
-    went from 81% to 95% of copy bandwidth."""
+    8192 + 4096; 7168 stays 8192): fewer padded columns to load and reduce (experiment 12)."""
     head = prev_pow2(n)
     tail = next_pow2(n - head) if n > head else 0
     return (head, tail) if head + tail < next_pow2(n) else (next_pow2(n), 0)
