@@ -57,9 +57,6 @@ def available_backends(device=None) -> dict[str, tuple[bool, str]]:
     return status
 
 
-# torch.compile treats the choice as a constant of the trace: Dynamo cannot trace the first-use
-# import of a backend module, and the answer never changes within a process.
-@torch.compiler.assume_constant_result
 def resolve_backend(device: torch.device, requested: str | None = None) -> str:
     """The backend name to use on ``device``. Raises ValueError for an unknown name and
     RuntimeError (saying why) for a backend that cannot run there.
@@ -90,6 +87,13 @@ def resolve_backend(device: torch.device, requested: str | None = None) -> str:
             raise RuntimeError(f"no tilegym_rms backend can run on {device} ({'; '.join(reasons)})")
     _resolved[key] = name
     return name
+
+
+# torch.compile treats the choice as a constant of the trace: Dynamo cannot trace the first-use import
+# of a backend module, and the answer never changes within a process. This is the mark that
+# torch.compiler.assume_constant_result sets; that function would import torch._dynamo, and with it
+# triton, at our import time (before a test or user sets TRITON_INTERPRET).
+resolve_backend._dynamo_marked_constant = True
 
 
 def _clear_cache() -> None:
