@@ -95,8 +95,14 @@ def available(device) -> tuple[bool, str]:
     return False, f"unsupported device type {device.type!r}"
 
 
+def _dense_rows(t) -> bool:
+    """Unit column stride, or a single column (whose stride is never used, and which torch calls
+    contiguous whatever it is)."""
+    return t.stride(1) == 1 or t.shape[1] <= 1
+
+
 def _check(x, weight, casting_mode) -> None:
-    if x.dim() != 2 or x.stride(1) != 1:
+    if x.dim() != 2 or not _dense_rows(x):
         raise ValueError(f"x must be 2-D with unit column stride, got shape {tuple(x.shape)} strides {x.stride()}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"x dtype must be one of {SUPPORTED_DTYPES}, got {x.dtype}")
@@ -180,7 +186,7 @@ def fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, *, s
     """
     if mode not in FUSED_ADD_MODES:
         raise ValueError(f"mode must be one of {FUSED_ADD_MODES}, got {mode!r}")
-    if residual.shape != x.shape or residual.stride(1) != 1:
+    if residual.shape != x.shape or not _dense_rows(residual):
         raise ValueError("residual must have x's shape and unit column stride")
     if residual.dtype != x.dtype:
         raise TypeError(f"residual dtype {residual.dtype} must match x dtype {x.dtype}")
@@ -213,7 +219,7 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     deterministic steps: per-program fp32 rows ``(grid, N)``, then a reduction kernel.
     """
     _check(x, weight, casting_mode)
-    if dy.shape != x.shape or dy.stride(1) != 1:
+    if dy.shape != x.shape or not _dense_rows(dy):
         raise ValueError("dy must have x's shape and unit column stride")
     M, N = x.shape
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
