@@ -3,6 +3,8 @@
 Default command (``check``): report which backends can run here and why the others cannot, run a
 forward and backward on the best backend against float64, and on a GPU time it against torch.
 Subcommands: ``aot`` (compile check), ``bench`` and ``bench-backward`` (the scripts in ``bench/``).
+The command may stand anywhere; ``--m``/``--n`` are options of ``check``, and every flag after another
+command passes through to it. Bad arguments exit with status 2 and one line on stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +21,39 @@ from .dispatch import available_backends, resolve_backend
 from .ops import rms_norm_backward, rms_norm_forward
 
 BENCH_SCRIPTS = {"bench": "bench_rmsnorm.py", "bench-backward": "bench_rmsnorm_backward.py"}
+COMMANDS = ("check", "aot", *BENCH_SCRIPTS)
+# The options of check, with or without ``=value`` (the only ones that take a value before a command).
+_CHECK_OPTIONS = ("--m", "--n")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line on stderr (``tilegym-rms: error: ...``) and exit status 2: no usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+def _positive_int(parser: argparse.ArgumentParser, option: str, value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        parser.error(f"{option} must be a positive integer, got {value}")
+    return number
+
+
+def _command_index(argv: list[str]) -> int | None:
+    """Where the command stands in ``argv`` (None: none given), skipping the values of --m and --n."""
+    i = 0
+    while i < len(argv):
+        if argv[i] in _CHECK_OPTIONS:
+            i += 2
+            continue
+        if argv[i] in COMMANDS:
+            return i
+        i += 1
+    return None
 
 
 def _rel(out, ref) -> float:
@@ -93,26 +128,34 @@ def _run_bench(script: str, argv) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="tilegym-rms", description=__doc__.splitlines()[2])
+    parser = _Parser(prog="tilegym-rms", description=__doc__.splitlines()[2], allow_abbrev=False)
     parser.add_argument(
         "command",
         nargs="?",
         default="check",
-        choices=["check", "aot", *BENCH_SCRIPTS],
+        choices=COMMANDS,
         help="check (default): backends, correctness, quick timing; aot: compile check; "
-        "bench / bench-backward: run the benchmark scripts (further flags pass through)",
+        "bench / bench-backward: run the benchmark scripts (every flag after the command passes through)",
     )
-    parser.add_argument("--m", type=int, default=4096, help="rows for check (default 4096)")
-    parser.add_argument("--n", type=int, default=4096, help="hidden size for check (default 4096)")
-    if argv and argv[0] in ("aot", *BENCH_SCRIPTS):
-        command, rest = argv[0], argv[1:]
+    parser.add_argument("--m", default="4096", metavar="M", help="rows for check, a positive integer (default 4096)")
+    parser.add_argument(
+        "--n", default="4096", metavar="N", help="hidden size for check, a positive integer (default 4096)"
+    )
+    at = _command_index(argv)
+    if at is not None and argv[at] != "check":
+        command, rest = argv[at], argv[at + 1 :]
+        parser.parse_args(argv[:at])  # what stands before the command: only check's options are known
+        used = [o for o in _CHECK_OPTIONS if any(a == o or a.startswith(o + "=") for a in argv[:at])]
+        if used:
+            what = "is an option" if len(used) == 1 else "are options"
+            parser.error(f"{' and '.join(used)} {what} of check, not of {command}")
         if command == "aot":
             from .aot import main as aot_main
 
             return aot_main(rest)
         return _run_bench(BENCH_SCRIPTS[command], rest)
     args = parser.parse_args(argv)
-    return check(args.m, args.n)
+    return check(_positive_int(parser, "--m", args.m), _positive_int(parser, "--n", args.n))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""The ``tilegym-rms`` command line, run as a user runs it: ``python -m tilegym_rms ...`` in a fresh process."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args):
+    # A clean environment for backend selection: a pytest process may have set TRITON_INTERPRET.
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TILEGYM_RMS_BACKEND")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # check runs on the CPU (cheap), also on a GPU host
+    return subprocess.run(
+        [sys.executable, "-m", "tilegym_rms", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+
+
+def one_error_line(out) -> str:
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{out.stderr}"
+    assert lines[0].startswith("tilegym-rms: error: ")
+    assert "Traceback" not in out.stderr and "usage:" not in out.stderr
+    assert out.stdout == "", "nothing ran"
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--m", "-1"], "--m must be a positive integer, got -1"),
+        (["--n", "0"], "--n must be a positive integer, got 0"),
+        (["--n", "wide"], "--n must be a positive integer, got wide"),
+        (["check", "--m=0"], "--m must be a positive integer, got 0"),
+        (["--m"], "argument --m: expected one argument"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["check", "aot"], "unrecognized arguments: aot"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args, message):
+    assert one_error_line(run_cli(*args)) == f"tilegym-rms: error: {message}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--m", "8", "aot"], "--m is an option of check, not of aot"),
+        (["--n=16", "aot", "--help"], "--n is an option of check, not of aot"),
+        (["--m", "8", "--n", "16", "bench"], "--m and --n are options of check, not of bench"),
+        (["--n", "16", "bench-backward", "--quick"], "--n is an option of check, not of bench-backward"),
+    ],
+)
+def test_command_after_check_options_is_recognised(args, message):
+    """The command counts wherever it stands: check's options given with another command are an error
+    (before, ``--m 8 aot`` silently ran the check)."""
+    assert one_error_line(run_cli(*args)) == f"tilegym-rms: error: {message}"
+
+
+def test_flags_after_aot_pass_through():
+    out = run_cli("aot", "--help")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: tilegym-rms aot") and "--arch" in out.stdout
+    out = run_cli("aot", "--arch", "sm_1")  # aot's own parser judges its flags
+    assert out.returncode == 2 and "tilegym-rms aot" in out.stderr and "sm_1" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["--m", "8", "--n", "16"], ["--m=8", "check", "--n=16"], ["check", "--n", "16", "--m", "8"]]
+)
+def test_check_runs_on_the_cpu(args):
+    out = run_cli(*args)
+    assert out.returncode == 0, out.stderr
+    assert "device cpu" in out.stdout
+    assert "(8x16) vs float64" in out.stdout and out.stdout.rstrip().endswith("-> ok")
