@@ -30,3 +30,72 @@ def rel_err(out, ref) -> float:
     assert torch.isfinite(out).all(), "non-finite values in the output"
     denom = ref.norm().item()
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU memory when several pytest processes share a GPU (pytest-xdist: ``pytest -m gpu -n 4``)
+# ------------------------------------------------------------------------------------------------
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no turns, the big tests simply run
+    fcntl = None
+
+# Shapes of at least this many elements are "big" in the GPU tests: their tensors (input, output,
+# gradients and the float64 reference) need a few GB or more.
+BIG_GPU_ELEMS = 1 << 27
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "big_gpu_memory: needs many GB of GPU memory; such tests take turns across the processes on one "
+        "machine (a file lock), and hand their memory back before the next one starts",
+    )
+
+
+def big_gpu_memory_if(big: bool) -> tuple:
+    """Marks for ``pytest.param(..., marks=...)``: ``big_gpu_memory`` where ``big``."""
+    return (pytest.mark.big_gpu_memory,) if big else ()
+
+
+def _release_gpu_memory() -> None:
+    # A failed test's frames (kept for post-mortem debugging in sys.last_traceback) hold its tensors.
+    import gc
+    import sys
+    import traceback
+
+    if getattr(sys, "last_traceback", None) is not None:
+        traceback.clear_frames(sys.last_traceback)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _gpu_lock_path() -> str:
+    import os
+    import tempfile
+
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", "gpu")
+    return os.path.join(tempfile.gettempdir(), f"tilegym_rms-tests-{uuid}.lock")
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_turns(request):
+    """``big_gpu_memory`` tests hold an exclusive lock on a file (one per GPU) for their whole run, so that
+    at most one of them runs on a GPU at a time, whatever the number of xdist workers; each hands its
+    memory back (frames, Python garbage, the caching allocator) before letting the next one in. Every GPU
+    test returns the allocator's cached blocks afterwards, so that a big test finds the memory free."""
+    if "gpu" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    if request.node.get_closest_marker("big_gpu_memory") is None or fcntl is None:
+        yield
+        torch.cuda.empty_cache()
+        return
+    with open(_gpu_lock_path(), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            _release_gpu_memory()
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)

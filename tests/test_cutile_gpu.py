@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import BIG_GPU_ELEMS, big_gpu_memory_if
 
 import tilegym_rms
 from tilegym_rms import reference
@@ -21,6 +22,10 @@ N_GRID = [1, 64, 123, 512, 1000, 2001, 4096, 5120, 7168, 16384, 20000, 32768, 65
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 Y_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 DW_TOL = 1e-2
+# (m, n) of the grid; the big ones take turns on the GPU under pytest-xdist (conftest: big_gpu_memory).
+MN_GRID = [
+    pytest.param(m, n, id=f"{m}-{n}", marks=big_gpu_memory_if(m * n >= BIG_GPU_ELEMS)) for m in M_GRID for n in N_GRID
+]
 ROWS_PER_REF_CHUNK_ELEMS = 1 << 25  # fp64 reference computed in row chunks: bounded memory
 
 
@@ -89,8 +94,7 @@ def _quiet_experimental_and_release_memory(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", N_GRID)
-@pytest.mark.parametrize("m", M_GRID)
+@pytest.mark.parametrize("m,n", MN_GRID)
 def test_grid_forward_backward(m, n, dtype):
     _skip_if_too_big(m, n, dtype)
     # At N = 1, x^2 / (x^2 + eps) is 1 - O(eps): dx is a catastrophic cancellation whose relative error
@@ -117,8 +121,13 @@ def test_casting_weight_offset(m, n, dtype, casting_mode, weight, offset):
     _check(m, n, dtype, weight=weight, offset=offset, casting_mode=casting_mode)
 
 
+FORCED_MODE_SHAPES = [(1, 64), (4097, 1000), (7, 4096), (65536, 5120), (4097, 8192), (4097, 12288)]
+
+
 @pytest.mark.parametrize("mode", ["gather", "persistent"])
-@pytest.mark.parametrize("m,n", [(1, 64), (4097, 1000), (7, 4096), (65536, 5120), (4097, 8192), (4097, 12288)])
+@pytest.mark.parametrize(
+    "m,n", [pytest.param(m, n, marks=big_gpu_memory_if(m * n >= BIG_GPU_ELEMS)) for m, n in FORCED_MODE_SHAPES]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_forced_forward_mode(m, n, dtype, mode):
     _check(m, n, dtype, mode=mode)
@@ -155,6 +164,7 @@ def test_empty_and_weight_dtype_mix():
     assert y.dtype == torch.bfloat16 and (y.double() - ref).norm() / ref.norm() <= 1e-2
 
 
+@pytest.mark.big_gpu_memory
 def test_dw_is_deterministic():
     x = torch.randn(65536, 4096, dtype=torch.bfloat16, device="cuda")
     dy, w = torch.randn_like(x), torch.randn(4096, dtype=torch.bfloat16, device="cuda")
