@@ -42,6 +42,7 @@ from tilegym_rms.ascend import config  # noqa: E402
 if not config.interpreter_enabled():
     pytest.skip("TRITON_INTERPRET is set to something other than 1", allow_module_level=True)
 
+import tilegym_rms  # noqa: E402
 import tilegym_rms.ascend as ascend  # noqa: E402
 from tilegym_rms.ascend import kernels  # noqa: E402
 from tilegym_rms.ascend import launch as launch_mod  # noqa: E402
@@ -298,18 +299,38 @@ def test_forward_fp16_matches_casting_mode(ub, M, N, ub_bytes, casting_mode):
     assert rel_err(y, y64) <= 1e-2
 
 
+def is_bf16_value(t):
+    """Per element: whether the fp32 value is exactly a bf16 value."""
+    return t.to(torch.bfloat16).float() == t
+
+
 @pytest.mark.parametrize("ub_bytes", [None, UB_TINY])
-@pytest.mark.parametrize("casting_mode", ref.CASTING_MODES)
-def test_forward_bf16(ub, ub_bytes, casting_mode):
-    """bf16 against float64 only: the interpreter rounds fp32 -> bf16 by truncation (hardware rounds
-    to nearest), so bit-level agreement with torch's bf16 is not expected here."""
+def test_forward_bf16_casting_modes(ub, launches, ub_bytes):
+    """bf16 under the interpreter, which rounds fp32 -> bf16 by truncation (hardware rounds to nearest):
+    no bit-level agreement with torch's bf16 here, and the modes differ by about one rounding, less than
+    a float64 tolerance can tell apart. What can be told apart: the host hands the kernel each mode's
+    CASTING id (whose rounding steps test_forward_fp16_matches_casting_mode checks bit for bit; the
+    kernels branch on CASTING, not on the dtype), the outputs of the modes differ where the reference's
+    do, and rstd is rounded to bf16 in exactly the mode where the reference rounds it."""
     ub(ub_bytes)
     x, w = strided(7, 123, torch.bfloat16), rand(123, dtype=torch.bfloat16, seed=3)
-    y, rstd = ascend.forward(x, w, EPS, 1.0, casting_mode)
-    y64, rstd64 = ref.rms_norm_forward(x.double(), w.double(), EPS, 1.0, casting_mode)
-    assert y.dtype == torch.bfloat16
-    assert rel_err(y, y64) <= 2e-2
-    assert rel_err(rstd, rstd64) <= 1e-2
+    ys, refs = {}, {}
+    for casting_mode in ref.CASTING_MODES:
+        y, rstd = ascend.forward(x, w, EPS, 1.0, casting_mode)
+        assert launches[-1][3]["CASTING"] == kernels.CASTING_IDS[casting_mode]
+        y_ref, rstd_ref = ref.rms_norm_forward(x, w, EPS, 1.0, casting_mode)
+        ys[casting_mode], refs[casting_mode] = y, y_ref
+        assert y.dtype == torch.bfloat16 and rstd.dtype == torch.float32
+        assert torch.equal(is_bf16_value(rstd), is_bf16_value(rstd_ref)), casting_mode
+        if is_bf16_value(rstd_ref).all():  # rounded to bf16: within two bf16 ulps (truncation here)
+            assert ((rstd - rstd_ref).abs() <= rstd_ref * 2.0**-6).all()
+        else:  # fp32: only the summation order differs
+            assert rel_err(rstd, rstd_ref) <= 1e-5
+        y64, _ = ref.rms_norm_forward(x.double(), w.double(), EPS, 1.0, casting_mode)
+        assert rel_err(y, y64) <= 2e-2
+    for a, b in ((m1, m2) for i, m1 in enumerate(ref.CASTING_MODES) for m2 in ref.CASTING_MODES[i + 1 :]):
+        assert (refs[a] != refs[b]).double().mean() > 0.1, "inputs on which the reference tells the modes apart"
+        assert (ys[a] != ys[b]).double().mean() > 0.1, f"{a} and {b} give the same bf16 output"
 
 
 def test_forward_store_rstd_false(ub):
@@ -398,8 +419,28 @@ def test_fused_add_fp32(ub, M, N, ub_bytes, path, mode):
     assert rel_err(rstd, rstd_ref) <= TOL_FP32
     if mode == "pre":
         assert torch.equal(res_out, x + r), "the sum is rounded to x's dtype exactly like torch's add"
-    else:
-        assert res_out is y, "post mode: residual_out is y and the sum is never written"
+
+
+@pytest.mark.parametrize("ub_bytes", [None, UB_TINY])
+@pytest.mark.parametrize("mode", ref.FUSED_ADD_MODES)
+def test_fused_add_outputs_and_gradients(ub, launches, ub_bytes, mode):
+    """Through the public API on this backend: ``residual_out`` is the sum ("pre") or the normalized sum
+    ("post", which writes no sum: one (M, N) store fewer), and gradients through both outputs match
+    autograd through the float64 reference (in "post" both gradients reach the norm)."""
+    ub(ub_bytes)
+    M, N = 7, 123
+    x64, r64, w64 = strided(M, N).double(), rand(M, N, seed=5).double(), rand(N, seed=6).double()
+    gy, gres = rand(M, N, seed=8), rand(M, N, seed=9)
+    x, r, w = (t.float().requires_grad_() for t in (x64, r64, w64))
+    y, res_out = tilegym_rms.fused_add_rms_norm(x, r, w, EPS, mode=mode, offset=0.5, backend="triton")
+    assert launches[0][3]["STORE_RESIDUAL"] == (mode == "pre")
+    ((y * gy).sum() + (res_out * gres).sum()).backward()
+    x64, r64, w64 = (t.requires_grad_() for t in (x64, r64, w64))
+    y_ref, res_ref, _ = ref.fused_add_rms_norm_forward(x64, r64, w64, EPS, mode, 0.5)
+    ((y_ref * gy.double()).sum() + (res_ref * gres.double()).sum()).backward()
+    assert rel_err(y, y_ref.detach()) <= TOL_FP32 and rel_err(res_out, res_ref.detach()) <= TOL_FP32
+    for got, want in ((x.grad, x64.grad), (r.grad, r64.grad), (w.grad, w64.grad)):
+        assert rel_err(got, want) <= 1e-4
 
 
 @pytest.mark.parametrize("ub_bytes", [None, UB_TINY])
@@ -439,7 +480,6 @@ def test_kernels_marked_experimental_on_npu_only():
         assert experimental.is_experimental(kernel, "npu")
         assert not experimental.is_experimental(kernel, "cpu")
         assert not experimental.is_experimental(kernel, "cuda")
-    assert ascend.choose_path is config.choose_path
 
 
 def test_no_experimental_warning_on_cpu(monkeypatch):

@@ -1,11 +1,42 @@
-"""The cuTile launch heuristics (pure functions: no GPU needed)."""
+"""The cuTile launch heuristics (pure functions: no GPU needed).
+
+The forward's decisions are tested through the host (``tilegym_rms.cutile``), which hands the
+heuristic M's power-of-two bucket, not M: the kernel an M gets is the one its bucket gets.
+"""
 
 import pytest
 import torch
 
 from tilegym_rms.cutile import config
 
-SMS = 132
+SMS = 132  # an H100
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """The cuTile host module with an H100's SM count and empty caches; nothing launches (``cuda.tile``
+    imports without a GPU or driver)."""
+    pytest.importorskip("cuda.tile")
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile import launch
+
+    monkeypatch.setattr(launch, "num_sms", lambda index: SMS)
+    cutile.clear_caches()
+    yield cutile
+    cutile.clear_caches()
+
+
+def fwd(host, m, n, dtype=BF16, mode=None) -> config.ForwardConfig:
+    """The forward configuration the product uses for an (m, n) input (device index irrelevant here)."""
+    return host._forward_config(0, m, n, dtype, mode)
+
+
+def fwd_kernel(host, m, n, dtype=BF16) -> str:
+    """ "gather" or "persistent": the forward kernel the product launches for an (m, n) input."""
+    kernel = host._forward_launch(0, m, n, dtype, None, "llama", True, True).kernel
+    kernels = host._kernels()
+    return {kernels.rms_norm_fwd_gather: "gather", kernels.rms_norm_fwd_persistent: "persistent"}[kernel]
 
 
 @pytest.mark.parametrize("n", [1, 64, 123, 512, 1000, 2001, 4096, 5120, 7168, 8192, 16384, 65536])
@@ -21,21 +52,38 @@ def test_forward_config_invariants(m, n):
         assert cfg.grid == m and cfg.single_tile == (cfg.tile_n >= n)
 
 
-def test_forward_dispatch_thresholds():
-    small_m = config.GATHER_MAX_ROWS_PER_SM * SMS
-    assert config.forward_config(small_m, 4096, torch.bfloat16, SMS).mode == "gather"
-    assert config.forward_config(small_m + 1, 4096, torch.bfloat16, SMS).mode == "persistent"
+def test_forward_dispatch_thresholds(host):
+    # Few rows: gather while M's bucket has at most GATHER_MAX_ROWS_PER_SM rows per SM: up to 512 rows on 132
+    # SMs (bucket 512 <= 528). 513 to 528 rows are in bucket 1024 and take the persistent kernel.
+    few = config.prev_pow2(config.GATHER_MAX_ROWS_PER_SM * SMS)
+    assert few == 512
+    assert fwd_kernel(host, few, 4096) == "gather" and fwd(host, few, 4096).grid == few
+    for m in (few + 1, config.GATHER_MAX_ROWS_PER_SM * SMS, config.GATHER_MAX_ROWS_PER_SM * SMS + 1):
+        assert fwd_kernel(host, m, 4096) == "persistent", m
     wide = 2 * config.FWD_MAX_SINGLE_TILE_N
-    cfg = config.forward_config(65536, wide, torch.bfloat16, SMS)
+    cfg = fwd(host, 65536, wide)
     assert cfg.mode == "gather" and not cfg.single_tile and cfg.tile_n == config.FWD_CHUNK_N
-    cfg = config.forward_config(65536, config.FWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
+    cfg = fwd(host, 65536, config.FWD_MAX_SINGLE_TILE_N)
     assert cfg.mode == "gather" and cfg.single_tile and cfg.tile_n == config.FWD_MAX_SINGLE_TILE_N
-    forced = config.forward_config(65536, config.FWD_MAX_PERSISTENT_TILE_N, torch.bfloat16, SMS, mode="persistent")
-    assert forced.mode == "persistent"
+    assert fwd(host, 65536, config.FWD_MAX_PERSISTENT_TILE_N, mode="persistent").mode == "persistent"
     with pytest.raises(ValueError, match="mode='gather'"):
-        config.forward_config(65536, 2 * config.FWD_MAX_PERSISTENT_TILE_N, torch.bfloat16, SMS, mode="persistent")
+        fwd(host, 65536, 2 * config.FWD_MAX_PERSISTENT_TILE_N, mode="persistent")
     with pytest.raises(ValueError, match="mode must be one of"):
-        config.forward_config(8, 8, torch.bfloat16, SMS, mode="fast")
+        fwd(host, 8, 8, mode="fast")
+
+
+def test_forward_launches_the_kernel_of_the_bucket(host, monkeypatch):
+    """End to end through ``cutile.forward`` (the launch stubbed): 512 rows run the gather kernel, 528
+    rows (4 per SM, but bucket 1024) the persistent one."""
+    seen = []
+    monkeypatch.setattr(host, "_launch", lambda: lambda kernel, grid, args, dev, hints=(): seen.append((kernel, grid)))
+    w = torch.randn(4096, dtype=BF16)
+    for m in (512, 528):
+        host.forward(torch.randn(m, 4096, dtype=BF16), w, 1e-6, 0.0, "llama")
+    kernels = host._kernels()
+    assert seen[0] == (kernels.rms_norm_fwd_gather, (512,))
+    tile_m = fwd(host, 528, 4096).tile_m
+    assert seen[1] == (kernels.rms_norm_fwd_persistent, (config.cdiv(528, tile_m),))
 
 
 @pytest.mark.parametrize("n", [1, 123, 3072, 4096, 5120, 7168, 8192, 8193, 12288, 65536])
@@ -69,10 +117,21 @@ def next_pow2_gt(n):
     return config.next_pow2(n) > config.BWD_MAX_SINGLE_TILE_N
 
 
-def test_tiles_do_not_depend_on_m_within_a_bucket():
-    a = config.forward_config(5000, 4096, torch.bfloat16, SMS)
-    b = config.forward_config(config.m_bucket(5000), 4096, torch.bfloat16, SMS)
-    assert (a.mode, a.tile_m, a.tile_n) == (b.mode, b.tile_m, b.tile_n)
+@pytest.mark.parametrize("n", [1000, 4096, 5120, 12288, 65536])
+@pytest.mark.parametrize("bucket", [512, 1024, 8192, 16384, 65536])
+def test_every_m_of_a_bucket_launches_one_compiled_variant(host, bucket, n):
+    """What tiles independent of M (config._tile_m) are for: every M of a power-of-two bucket launches the
+    same compiled variant (kernel, constants, hints), so a new batch size compiles nothing; only the grid
+    follows M, and a persistent grid never has more blocks than M has row tiles."""
+    ms = sorted({bucket // 2 + 1, bucket // 2 + 7, 3 * bucket // 4, bucket - 1, bucket})
+    plans = {m: host._forward_launch(0, m, n, BF16, None, "llama", True, True) for m in ms}
+    assert len({(p.kernel, p.constants, p.hints) for p in plans.values()}) == 1
+    for m, p in plans.items():
+        cfg = fwd(host, m, n)
+        if cfg.mode == "gather":
+            assert p.grid == (m,)
+        else:
+            assert 1 <= p.grid[0] <= config.cdiv(m, cfg.tile_m) and p.grid[0] <= plans[bucket].grid[0]
 
 
 @pytest.mark.parametrize("n", [1, 64, 1000, 2048, 4096, 8192, 16384, 32768, 65536, 262144])
@@ -84,14 +143,15 @@ def test_reduce_config_fills_the_sms_and_covers_n(n):
         assert red.grid >= SMS  # at least one block per SM whenever N allows it
 
 
-def test_compiler_hints_follow_the_tile_width():
+def test_compiler_hints_follow_the_tile_width(host):
     """Narrow tiles get the occupancy hint; wide backward tiles one block per SM with 8 warps (NOTES
     experiments 6 and 10); a zero constant sets no hint."""
-    narrow_f = config.forward_config(8192, 4096, torch.bfloat16, SMS)  # persistent below GATHER_PREFERRED_MIN_M
-    assert narrow_f.hints == (("occupancy", config.FWD_NARROW_OCCUPANCY),)
+    narrow_f = fwd(host, 8192, 4096)  # persistent: bucket 8192 is below GATHER_PREFERRED_MIN_M
+    assert narrow_f.mode == "persistent" and narrow_f.hints == (("occupancy", config.FWD_NARROW_OCCUPANCY),)
     assert narrow_f.grid == SMS * config.FWD_NARROW_BLOCKS_PER_SM
-    assert config.forward_config(65536, 1024, torch.bfloat16, SMS).grid == SMS * config.FWD_TINY_BLOCKS_PER_SM
-    assert config.forward_config(4097, 8192, torch.bfloat16, SMS).hints == ()  # persistent, wide
+    assert fwd(host, 65536, 1024).grid == SMS * config.FWD_TINY_BLOCKS_PER_SM
+    wide_f = fwd(host, 4097, 8192)
+    assert wide_f.mode == "persistent" and wide_f.hints == ()
     narrow_b = config.backward_config(65536, 5120, torch.bfloat16, SMS)  # 4096 + 1024: still narrow
     assert narrow_b.hints == (("occupancy", config.BWD_NARROW_OCCUPANCY),)
     wide_b = config.backward_config(65536, config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
@@ -102,39 +162,42 @@ def test_compiler_hints_follow_the_tile_width():
     }
 
 
-def test_gather_hints_follow_the_tile_width_table():
+def test_gather_hints_follow_the_tile_width_table(host):
     table = {widest: (o, w) for widest, o, w in config.GATHER_SINGLE_TILE_HINTS}
     assert max(table) == config.FWD_MAX_SINGLE_TILE_N  # every single-tile row finds an entry
     for n, widest in ((1000, 2048), (2048, 2048), (3000, 4096), (5120, 8192), (16384, 16384), (20000, 32768)):
         occupancy, warps = table[widest]
-        cfg = config.forward_config(8, n, torch.bfloat16, SMS)
+        cfg = fwd(host, 8, n)
         assert cfg.mode == "gather" and cfg.single_tile
         assert dict(cfg.hints) == {k: v for k, v in (("occupancy", occupancy), ("num_worker_warps", warps)) if v}
-    chunked = config.forward_config(8, 2 * config.FWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
+    chunked = fwd(host, 8, 2 * config.FWD_MAX_SINGLE_TILE_N)
     occupancy, warps = config.GATHER_CHUNKED_HINTS
     assert not chunked.single_tile and dict(chunked.hints) == {"occupancy": occupancy, "num_worker_warps": warps}
 
 
-def test_gather_is_preferred_at_large_m_from_its_measured_width():
+def test_gather_is_preferred_at_large_m_from_its_measured_width(host):
+    # From GATHER_PREFERRED_MIN_M on, counted on M's bucket: every M above half of it (8193 rows on).
     big = config.GATHER_PREFERRED_MIN_M
+    assert big & (big - 1) == 0
     for n in (config.GATHER_PREFERRED_MIN_N, 4096, 6144, 7168, config.GATHER_PREFERRED_MAX_N):
-        assert config.forward_config(big, n, torch.bfloat16, SMS).mode == "gather"
-        assert config.forward_config(big // 2, n, torch.bfloat16, SMS).mode == "persistent"
+        for m in (big // 2 + 1, big, 65536):
+            assert fwd_kernel(host, m, n) == "gather", (m, n)
+        assert fwd_kernel(host, big // 2, n) == "persistent", n
     # 5120 fills 62.5% of its 8192-wide tile: gather in fp32 only (GATHER_PREFERRED_MIN_FILL_16BIT)
-    assert config.forward_config(big, 5120, torch.float32, SMS).mode == "gather"
+    assert fwd_kernel(host, big, 5120, torch.float32) == "gather"
     for dtype in (torch.bfloat16, torch.float16):
-        assert config.forward_config(big, 5120, dtype, SMS).mode == "persistent"
+        assert fwd_kernel(host, big, 5120, dtype) == "persistent"
     for n in (config.GATHER_PREFERRED_MIN_N - 1, config.GATHER_PREFERRED_MAX_N + 1, 12288):
-        assert config.forward_config(big, n, torch.bfloat16, SMS).mode == "persistent"
-    for m in (big // 2, big):  # from GATHER_MIN_N on, at every M
-        assert config.forward_config(m, config.GATHER_MIN_N, torch.bfloat16, SMS).mode == "gather"
+        assert fwd_kernel(host, big, n) == "persistent"
+    for m in (8, big // 2, big):  # from GATHER_MIN_N on, at every M
+        assert fwd_kernel(host, m, config.GATHER_MIN_N) == "gather", m
 
 
-def test_persistent_forward_splits_only_rows_padded_to_the_split_width():
-    wide = config.forward_config(65536, 12288, torch.bfloat16, SMS, mode="persistent")
-    assert (wide.tile_n, wide.tail_n) == (8192, 4096)
+def test_persistent_forward_splits_only_rows_padded_to_the_split_width(host):
+    wide = fwd(host, 65536, 12288)
+    assert wide.mode == "persistent" and (wide.tile_n, wide.tail_n) == (8192, 4096)
     assert config.FWD_SPLIT_MIN_TILE_N > 8192  # 5120 keeps one padded 8192-wide tile
-    narrow = config.forward_config(8192, 5120, torch.bfloat16, SMS)
+    narrow = fwd(host, 8192, 5120)
     assert narrow.mode == "persistent" and (narrow.tile_n, narrow.tail_n) == (8192, 0)
 
 
