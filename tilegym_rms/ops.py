@@ -42,13 +42,10 @@ def _dense_weight(weight):
     return weight if weight is None or weight.is_contiguous() else weight.contiguous()
 
 
-def _empty_forward(x, eps, store_rstd):
-    """Empty input: no kernel runs. A last dim of 0 still has rows: their mean square is 0."""
+def _empty_forward(x, eps, casting_mode, store_rstd):
+    """Empty input: no kernel runs. A last dim of 0 still has rows, whose rstd the reference defines."""
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if not store_rstd:
-        return y, None
-    rstd = x.new_full(x.shape[:-1], eps**-0.5 if eps > 0 else float("inf"), dtype=reference.compute_dtype(x.dtype))
-    return y, rstd
+    return y, (reference.rms_norm_forward(x, None, eps, 0.0, casting_mode)[1] if store_rstd else None)
 
 
 def _forward(x, weight, eps, offset, casting_mode, backend, mode=None, store_rstd=True):
@@ -56,7 +53,7 @@ def _forward(x, weight, eps, offset, casting_mode, backend, mode=None, store_rst
     when not ``store_rstd``: no backward will follow)."""
     module = _backend(x, backend)
     if x.numel() == 0:
-        return _empty_forward(x, eps, store_rstd)
+        return _empty_forward(x, eps, casting_mode, store_rstd)
     x2, w = _rows(x, x.shape[-1]), _dense_weight(weight)
     if mode is None:  # only the cutile backend takes a mode
         y, rstd = module.forward(x2, w, eps, offset, casting_mode, store_rstd=store_rstd)
