@@ -15,6 +15,7 @@ import torch
 
 from . import _checks, reference
 from .dispatch import backend_module, resolve_backend
+from .integrations import dtensor as _dtensor
 
 # ----------------------------------------------------------------------------------------------
 # Shape plumbing shared by every path: N-D tensors <-> the 2-D row views the backends take
@@ -193,7 +194,10 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
     """
     eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
     name = resolve_backend(x.device, backend)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (type(x) is not torch.Tensor and _dtensor.is_dtensor(x)):
+        # DTensor runs the op on local shards by its sharding rules, which must exist before a traced
+        # call meets one (register() is a constant of the trace: it runs once while Dynamo traces).
+        _dtensor.register()
         return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, name, mode)[0]
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, name, mode)
@@ -205,6 +209,8 @@ def rms_norm_forward(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llam
     (what :func:`rms_norm_backward` takes; fp64 for fp64 ``x``). Arguments as :func:`rms_norm`."""
     eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
     with torch.no_grad():
+        if type(x) is not torch.Tensor and _dtensor.is_dtensor(x):  # local shards, as in rms_norm
+            return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), mode)
         return _forward(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), mode)
 
 
@@ -217,6 +223,9 @@ def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode="llama", 
     _checks.check_like("dy", dy, x)
     _checks.check_rstd(rstd, x)
     with torch.no_grad():
+        if type(x) is not torch.Tensor and _dtensor.is_dtensor(x):  # local shards, as in rms_norm
+            name = resolve_backend(x.device, backend)
+            return _bwd_op_with_optional_dw(dy, x, weight, rstd, offset, casting_mode, name)
         return _backward(dy, x, weight, rstd, offset, casting_mode, resolve_backend(x.device, backend))
 
 
@@ -361,7 +370,8 @@ def fused_add_rms_norm(
     _checks.check_like("residual", residual, x)
     _checks.check_fused_mode(mode)
     name = resolve_backend(x.device, backend)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (type(x) is not torch.Tensor and _dtensor.is_dtensor(x)):
+        _dtensor.register()  # as in rms_norm
         y, res_out, _ = _fused_add_fwd_op(x, residual, weight, eps, mode, offset, casting_mode, name)
         return y, (res_out if mode == "pre" else y)
     needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
