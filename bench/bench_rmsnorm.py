@@ -10,15 +10,18 @@ import json
 import sys
 
 try:  # imported as part of the bench package / namespace
-    from . import common
+    from . import base, cli_args
+    from .session import grid_configs, grid_label, start_session
 except ImportError:  # run as a script: bench/ is on sys.path
-    import common
+    import base
+    import cli_args
+    from session import grid_configs, grid_label, start_session
 
 KERNEL_NAME = "rms_norm"
 JSON_NAME = "rms_norm.json"
-MODES = ("forward", "backward", "full", "latency", "ascend-rs", "large")
-GRID_MODES = ("forward", "backward", "full")
-QUICK_DEFAULT_MODES = GRID_MODES
+MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large")
+GRID_MEASURES = ("forward", "backward", "full")
+QUICK_DEFAULT_MEASURES = GRID_MEASURES
 
 LATENCY_M = (1, 8, 64, 512)
 LATENCY_N = 4096
@@ -29,11 +32,17 @@ LARGE_N = (32768, 65536, 131072, 262144)
 QUICK_LATENCY_M = (1, 512)
 QUICK_ASCEND_RS = ((1, 4096), (1024, 4096))
 QUICK_LARGE_N = (32768, 131072)
+# The fixed suites: dtype unless --dtype names one, then the (M, N) shapes of a full run and of --quick.
+SUITES = {
+    "latency": ("bf16", [(m, LATENCY_N) for m in LATENCY_M], [(m, LATENCY_N) for m in QUICK_LATENCY_M]),
+    "ascend-rs": ("fp32", ASCEND_RS, QUICK_ASCEND_RS),
+    "large": ("bf16", [(LARGE_M, n) for n in LARGE_N], [(LARGE_M, n) for n in QUICK_LARGE_N]),
+}
 
 DESCRIPTION = """\
 Times RMSNorm (last-dim, with weight, eps 1e-6, Llama casting) for tilegym_rms and its peers.
 
-modes (--mode, comma list; default all, or forward,backward,full with --quick):
+measures (--measure, comma list; default all, or forward,backward,full with --quick):
   forward    y = provider(x, w) under torch.no_grad(); traffic = read x, w + write y.
   backward   autograd backward only: y = provider(x, w) is computed per input set OUTSIDE the timed region,
              the timed call is torch.autograd.grad(y, (x, w), dy, retain_graph=True); traffic = read x, dy,
@@ -46,7 +55,7 @@ modes (--mode, comma list; default all, or forward,backward,full with --quick):
   ascend-rs  the ascend-rs suite: (M, N) in (1,768) (1,4096) (64,768) (64,4096) (1024,4096), fp32,
              ops forward and full.
   large      large hidden sizes: N in {32768, 65536, 131072, 262144} at M = 4096, bf16, ops forward, full.
-  An explicit --dtype also applies to latency, ascend-rs and large; --M/--N only to the grid modes.
+  An explicit --dtype also applies to latency, ascend-rs and large; --M/--N only to the grid measures.
 
 providers: tilegym_rms-cutile, tilegym_rms-triton (those available_backends() says can run), torch
 (eager F.rms_norm), torch.compile (Llama-style fp32 RMSNorm, dynamic=False), liger (LigerRMSNormFunction,
@@ -54,7 +63,7 @@ casting 'llama', in_place False), tilegym (tilegym.ops.cutile.rms_norm); tilegym
 """
 
 EPILOG = """\
-timing: sum of device kernel/memcpy/memset durations from torch.profiler per call (see bench/common.py;
+timing: sum of device kernel/memcpy/memset durations from torch.profiler per call (see bench/timing.py;
 --timing cuda-events for CUDA events instead); median of --reps repetitions with 20th/80th percentiles,
 each repetition one pass over input sets that total > 4x L2. GB/s are also given as % of a 1 GiB
 device-to-device copy measured in the same run. The first call of each provider and shape is checked
@@ -62,52 +71,49 @@ against float64 math (rel. error limit 1e-2 bf16/fp16, 1e-4 fp32); failures are 
 
 output: tables on stdout, a progress line per configuration on stderr, Liger-format JSON merged into
 <out>/rms_norm.json (re-runs replace matching points, so the grid can be split across runs) and one PNG
-per mode, <out>/rms_norm_<mode>.png.
+per measure, <out>/rms_norm_<measure>.png.
 
 examples:
   python bench/bench_rmsnorm.py --quick
-  python bench/bench_rmsnorm.py --mode forward,backward,full
-  python bench/bench_rmsnorm.py --mode latency,ascend-rs,large
-  python bench/bench_rmsnorm.py --mode full --dtype bf16 --M 32768 --providers tilegym_rms-cutile,liger
+  python bench/bench_rmsnorm.py --measure forward,backward,full
+  python bench/bench_rmsnorm.py --measure latency,ascend-rs,large
+  python bench/bench_rmsnorm.py --measure full --dtype bf16 --M 32768 --providers tilegym_rms-cutile,liger
 exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    mode_help = f"comma list among {','.join(MODES)} (default all; with --quick: {','.join(QUICK_DEFAULT_MODES)})"
-    parser = common.script_parser("bench_rmsnorm.py", DESCRIPTION, EPILOG, MODES, None, mode_help)
+    measure_help = (
+        f"comma list among {','.join(MEASURES)} (default all; with --quick: {','.join(QUICK_DEFAULT_MEASURES)})"
+    )
+    parser = cli_args.script_parser("bench_rmsnorm.py", DESCRIPTION, EPILOG, MEASURES, None, measure_help)
     parser.add_argument(
         "--latency-calls",
         type=int,
         default=None,
         help=f"eager calls per latency repetition (default {LATENCY_CALLS}, 30 with --quick)",
     )
-    common.add_common_args(parser)
+    cli_args.add_common_args(parser)
     return parser
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str, str, list[tuple[str, int, int]]]]:
-    """(mode flag, op, suite, configs) in run order."""
+    """(measure flag, op, suite, configs) in run order."""
     out = []
-    for mode in args.mode:
-        if mode in GRID_MODES:
-            out.append((mode, mode, "grid", common.grid_configs(args.dtype, args.M, args.N)))
-        elif mode == "latency":
-            dtypes = args.dtype if args.explicit_dtype else ["bf16"]
-            ms = QUICK_LATENCY_M if args.quick else LATENCY_M
-            for op in ("forward", "full"):
-                out.append((mode, op, "latency", [(d, m, LATENCY_N) for d in dtypes for m in ms]))
-        elif mode == "ascend-rs":
-            dtypes = args.dtype if args.explicit_dtype else ["fp32"]
-            shapes = QUICK_ASCEND_RS if args.quick else ASCEND_RS
-            for op in ("forward", "full"):
-                out.append((mode, op, "ascend-rs", [(d, m, n) for d in dtypes for m, n in shapes]))
-        elif mode == "large":
-            dtypes = args.dtype if args.explicit_dtype else ["bf16"]
-            ns = QUICK_LARGE_N if args.quick else LARGE_N
-            for op in ("forward", "full"):
-                out.append((mode, op, "large", [(d, LARGE_M, n) for d in dtypes for n in ns]))
+    for measure in args.measure:
+        if measure in GRID_MEASURES:
+            out.append((measure, measure, "grid", grid_configs(args.dtype, args.M, args.N)))
+            continue
+        dtype, shapes, quick_shapes = SUITES[measure]
+        dtypes = args.dtype if args.explicit_dtype else [dtype]
+        configs = [(d, m, n) for d in dtypes for m, n in (quick_shapes if args.quick else shapes)]
+        out += [(measure, op, measure, configs) for op in ("forward", "full")]
     return out
+
+
+def plot_stem(op: str, suite: str) -> str:
+    """File name (without .png) of the plot that shows ``op`` of ``suite``: one plot per --measure."""
+    return f"{KERNEL_NAME}_{op if suite == 'grid' else suite}"
 
 
 def label_for(suite: str):
@@ -117,21 +123,21 @@ def label_for(suite: str):
             return "shape", "M x N", f"{m}x{n}", {"dtype": dtype_name, "suite": suite}
 
         return label
-    return common.grid_label(suite)
+    return grid_label(suite)
 
 
-def select(mode: str):
-    """Which JSON records go into the plot of ``mode``."""
+def select(measure: str):
+    """Which JSON records go into the plot of ``measure``."""
 
     def pick(rec: dict) -> bool:
         if rec["kernel_name"] != KERNEL_NAME:
             return False
         suite = json.loads(rec["extra_benchmark_config_str"]).get("suite")
-        if mode in GRID_MODES:
-            return suite == "grid" and rec["kernel_operation_mode"] == mode and rec["metric_name"] == "throughput"
-        if mode == "latency":
+        if measure in GRID_MEASURES:
+            return suite == "grid" and rec["kernel_operation_mode"] == measure and rec["metric_name"] == "throughput"
+        if measure == "latency":
             return suite == "latency" and rec["metric_name"] == "latency"
-        return suite == mode and rec["metric_name"] == "throughput"
+        return suite == measure and rec["metric_name"] == "throughput"
 
     return pick
 
@@ -148,18 +154,18 @@ TITLES = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.mode is None:
-        args.mode = list(QUICK_DEFAULT_MODES if args.quick else MODES)
-    args = common.finish_args(args)
+    if args.measure is None:
+        args.measure = list(QUICK_DEFAULT_MEASURES if args.quick else MEASURES)
+    args = cli_args.finish_args(args)
     if args.latency_calls is None:
         args.latency_calls = 30 if args.quick else LATENCY_CALLS
     steps = plan(args)
     dry_run_plan = [(op, suite, configs) for _, op, suite, configs in steps]
-    session = common.start_session(args, dry_run_plan, KERNEL_NAME, JSON_NAME)
+    session = start_session(args, dry_run_plan, KERNEL_NAME, JSON_NAME)
     if isinstance(session, int):
         return session
-    done_modes: list[str] = []
-    for i, (mode, op, suite, configs) in enumerate(steps):
+    done_measures: list[str] = []
+    for i, (measure, op, suite, configs) in enumerate(steps):
         if session.aborted:
             break
         if suite == "latency":
@@ -172,20 +178,16 @@ def main(argv: list[str] | None = None) -> int:
             title = f"latency, {op}"
         else:
             points = session.run_configs(op, suite, configs, label_for(suite))
-            title = f"{TITLES[mode]}" + (f", {op}" if suite != "grid" else "")
+            title = f"{TITLES[measure]}" + (f", {op}" if suite != "grid" else "")
         session.print_table(title, points)
-        last_of_mode = i + 1 == len(steps) or steps[i + 1][0] != mode
-        if last_of_mode:
-            session.plot(f"rms_norm_{mode}", TITLES[mode], select(mode))
-            done_modes.append(mode)
-    print(f"\nJSON: {session.json_path()}")
-    if session.aborted:
-        print("ABORTED: a fatal CUDA error stopped the run; results so far are saved", file=sys.stderr)
-        return 1
-    return 0
+        last_of_measure = i + 1 == len(steps) or steps[i + 1][0] != measure
+        if last_of_measure:
+            session.plot(plot_stem(op, suite), TITLES[measure], select(measure))
+            done_measures.append(measure)
+    return session.finish()
 
 
 if __name__ == "__main__":
     if not __package__:
-        common.ensure_repo_on_path()
+        base.ensure_repo_on_path()
     sys.exit(main())

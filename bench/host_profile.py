@@ -15,29 +15,23 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 
-try:
-    from . import common
-except ImportError:
-    import common
+try:  # imported as part of the bench package / namespace
+    from . import base, cli_args, timing, traffic
+except ImportError:  # run as a script: bench/ is on sys.path
+    import base
+    import cli_args
+    import timing
+    import traffic
 
 
-def per_call_us(fn, calls: int, reps: int = 5) -> float:
+def per_call_us(fn, device: torch.device, calls: int, reps: int = 5) -> float:
     """Median over ``reps`` batches of wall microseconds per call (``calls`` calls, then one sync)."""
     for _ in range(20):
         fn()
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e6 / calls)
-    return common.summarize(out)[0]
+    return traffic.summarize(timing.wall_latency_us(fn, device, calls, reps))[0]
 
 
 def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
@@ -132,32 +126,29 @@ def profile_top(fn, calls: int, top: int) -> str:
 def torch_profile_top(fn, calls: int, top: int) -> str:
     """torch.profiler's CPU view of the same loop: which aten ops, autograd nodes and CUDA runtime calls
     take the host time (the Python backward node shows up as ``...Backward``)."""
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    def loop():
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=top)
+
+    return timing.profiled(loop).key_averages().table(sort_by="cpu_time_total", row_limit=top)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="host_profile.py", description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, default=64)
     parser.add_argument("--n", type=int, default=4096)
-    parser.add_argument("--dtype", type=common.parse_dtype, default="bf16")
+    parser.add_argument("--dtype", type=cli_args.parse_dtype, default="bf16")
     parser.add_argument("--calls", type=int, default=500, help="calls per timed batch")
     parser.add_argument("--top", type=int, default=25, help="cProfile rows to print")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("host_profile.py needs a CUDA GPU", file=sys.stderr)
+    device = timing.cuda_device(parser.prog)
+    if device is None:
         return 2
-    common.ensure_repo_on_path()
-    device = torch.device("cuda", torch.cuda.current_device())
     print(f"{torch.cuda.get_device_name(device)}; M={args.m} N={args.n} {args.dtype}; us per call (median)")
-    table = steps(args.m, args.n, common.DTYPES[args.dtype], device)
+    table = steps(args.m, args.n, base.DTYPES[args.dtype], device)
     for name, fn in table:
-        print(f"  {name:<48} {per_call_us(fn, args.calls):8.1f}")
+        print(f"  {name:<48} {per_call_us(fn, device, args.calls):8.1f}")
     print("\ncProfile of rms_norm forward + autograd.grad (sorted by own time):")
     print(profile_top(table[-1][1], args.calls, args.top))
     print("\ntorch.profiler of the same loop (sorted by total CPU time):")

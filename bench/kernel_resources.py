@@ -18,10 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-try:
-    from . import common
-except ImportError:
-    import common
+try:  # imported as part of the bench package / namespace
+    from . import base, cli_args
+except ImportError:  # run as a script: bench/ is on sys.path
+    import base
+    import cli_args
 
 
 def find_cuobjdump() -> str | None:
@@ -48,24 +49,24 @@ def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kernel_resources.py", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="32768x4096", help="MxN,... (default %(default)s)")
-    parser.add_argument("--dtype", type=common.parse_dtype, default="bf16", help="bf16, fp16 or fp32")
+    parser.add_argument("--dtype", type=cli_args.parse_dtype, default="bf16", help="bf16, fp16 or fp32")
     parser.add_argument("--arch", default="sm_90", help="compile target (default %(default)s)")
     parser.add_argument("--sms", type=int, default=132, help="SM count the heuristics assume (H100: 132)")
     args = parser.parse_args(argv)
-    common.ensure_repo_on_path()
+    base.ensure_repo_on_path()
     from tilegym_rms import aot
 
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         print("kernel_resources.py needs cuobjdump (CUDA toolkit, or the one Triton ships)", file=sys.stderr)
         return 2
-    dtype = common.DTYPES[args.dtype]
+    dtype = base.DTYPES[args.dtype]
     print(f"{args.arch}, {args.dtype}; per thread: registers, stack bytes; per block: shared bytes")
     for item in args.shapes.split(","):
         m, n = (int(v) for v in item.lower().split("x"))
         print(f"{m} x {n}:")
         # What a training call launches for this shape (default dispatch, weight, llama casting).
-        for v in aot.variants_for(m, n, dtype, args.sms, modes=(None,), every_path=False):
+        for v in aot.variants_for(m, n, dtype, args.sms, kernels=(None,), every_path=False):
             use = resource_usage(aot.cubin(v, args.arch), cuobjdump)
             print(f"  {v.describe():<96} REG {use['REG']:>3}  STACK {use['STACK']:>4}  SHARED {use['SHARED']:>6}")
     return 0

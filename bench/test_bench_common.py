@@ -12,18 +12,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common as c  # noqa: E402
+import base  # noqa: E402
+import cli_args  # noqa: E402
+import providers  # noqa: E402
+import records  # noqa: E402
+import report  # noqa: E402
+import session  # noqa: E402
+import timing  # noqa: E402
+import traffic  # noqa: E402
 
 
 def test_bytes():
     m, n = 4096, 1024
-    assert c.forward_bytes(m, n, 2) == 2 * m * n * 2 + n * 2
-    assert c.backward_bytes(m, n, 2) == 3 * m * n * 2 + 2 * n * 2 + 4 * m
-    assert c.full_bytes(m, n, 4) == c.forward_bytes(m, n, 4) + 4 * m + c.backward_bytes(m, n, 4)
-    assert c.op_bytes("standalone", m, n, 2) == c.op_bytes("backward", m, n, 2)
+    assert traffic.forward_bytes(m, n, 2) == 2 * m * n * 2 + n * 2
+    assert traffic.backward_bytes(m, n, 2) == 3 * m * n * 2 + 2 * n * 2 + 4 * m
+    assert traffic.full_bytes(m, n, 4) == traffic.forward_bytes(m, n, 4) + 4 * m + traffic.backward_bytes(m, n, 4)
+    assert traffic.op_bytes("standalone", m, n, 2) == traffic.op_bytes("backward", m, n, 2)
     ws = 132 * n * 4
-    minimal = c.backward_bytes(m, n, 2)
-    assert c.workspace_share(minimal, ws) == pytest.approx(2 * ws / (minimal + 2 * ws))
+    minimal = traffic.backward_bytes(m, n, 2)
+    assert traffic.workspace_share(minimal, ws) == pytest.approx(2 * ws / (minimal + 2 * ws))
 
 
 def test_percentiles_match_numpy_linear():
@@ -32,19 +39,19 @@ def test_percentiles_match_numpy_linear():
     for size in (1, 2, 3, 10, 21):
         values = [rng.random() for _ in range(size)]
         for q in (20, 50, 80):
-            assert c.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
-    assert c.summarize([1, 2, 3, 4, 5]) == (3, 1.8, 4.2)
+            assert traffic.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert traffic.summarize([1, 2, 3, 4, 5]) == (3, 1.8, 4.2)
 
 
 def test_rotation():
     l2 = 50 * 2**20
-    n, capped = c.rotation_sets(10 * 2**20, l2)
+    n, capped = traffic.rotation_sets(10 * 2**20, l2)
     assert n * 10 * 2**20 > 4 * l2 and (n - 1) * 10 * 2**20 <= 4 * l2 and not capped
-    assert c.rotation_sets(5 * l2, l2) == (1, False)
-    assert c.rotation_sets(10, l2) == (c.MAX_SETS, True)
+    assert traffic.rotation_sets(5 * l2, l2) == (1, False)
+    assert traffic.rotation_sets(10, l2) == (base.MAX_SETS, True)
     for sets in (1, 3, 13):
-        calls = c.calls_per_pass(sets)
-        assert calls % sets == 0 and calls >= c.MIN_CALLS_PER_PASS
+        calls = traffic.calls_per_pass(sets)
+        assert calls % sets == 0 and calls >= base.MIN_CALLS_PER_PASS
 
 
 @pytest.mark.parametrize(
@@ -58,12 +65,12 @@ def test_rotation():
     ],
 )
 def test_gpu_slug(name, slug):
-    assert c.gpu_slug(name) == slug
+    assert session.gpu_slug(name) == slug
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_relative_errors(dtype):
-    dt = c.DTYPES[dtype]
+    dt = base.DTYPES[dtype]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 96, generator=g).to(dt)
     w = (1 + 0.1 * torch.randn(96, generator=g)).to(dt)
@@ -75,10 +82,10 @@ def test_relative_errors(dtype):
     gw = dyf * wf
     dx = (rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))).to(dt)
     dw = (dyf * xhat).sum(0).to(dt)
-    errs = c.relative_errors(x, w, 1e-6, {"y": y, "dx": dx, "dw": dw}, dy)
-    assert c.check_ok(errs, dtype), errs
-    bad = c.relative_errors(x, w, 1e-6, {"y": y.float() * 1.05, "dw": dw.float() * float("nan")}, dy)
-    assert not c.check_ok(bad, dtype)
+    errs = providers.relative_errors(x, w, 1e-6, {"y": y, "dx": dx, "dw": dw}, dy)
+    assert providers.check_ok(errs, dtype), errs
+    bad = providers.relative_errors(x, w, 1e-6, {"y": y.float() * 1.05, "dw": dw.float() * float("nan")}, dy)
+    assert not providers.check_ok(bad, dtype)
     assert bad["y"] == pytest.approx(0.05, rel=0.05)
 
 
@@ -86,8 +93,8 @@ def _points(ns, ok_at=None):
     pts = []
     for n in ns:
         us = [10.0 + i for i in range(10)]
-        p = c.Point("k", "forward", "grid", "prov", "bf16", 4096, n, "N", "hidden size N", n, {"M": 4096}, us=us)
-        p.nbytes = c.forward_bytes(4096, n, 2)
+        p = records.Point("k", "forward", "grid", "prov", "bf16", 4096, n, "N", "hidden size N", n, {"M": 4096}, us=us)
+        p.nbytes = traffic.forward_bytes(4096, n, 2)
         p.errs = {"y": 1e-3}
         p.ok = ok_at is None or n != ok_at
         pts.append(p)
@@ -98,7 +105,7 @@ META = {"gpu_name": "g", "timestamp": "t", "tilegym_rms_version": "v", "copy_ban
 
 
 def test_records_and_merge(tmp_path):
-    recs = c.build_records(_points([1024, 2048, 4096], ok_at=2048), META)
+    recs = records.build_records(_points([1024, 2048, 4096], ok_at=2048), META)
     thr = next(r for r in recs if r["metric_name"] == "throughput")
     keys = {"kernel_name", "kernel_provider", "metric_name", "metric_unit", "gpu_name", "x_name", "x_label"}
     keys |= {"x_values", "y_values_50", "y_values_20", "y_values_80", "timestamp", "kernel_operation_mode"}
@@ -108,8 +115,8 @@ def test_records_and_merge(tmp_path):
     bands = zip(thr["y_values_20"], thr["y_values_50"], thr["y_values_80"], strict=True)
     assert all(lo <= mid <= hi for lo, mid, hi in bands)
     path = tmp_path / "r.json"
-    c.write_json(path, c.build_records(_points([1024, 2048]), META))
-    merged = c.write_json(path, c.build_records(_points([2048, 4096], ok_at=4096), META))
+    records.write_json(path, records.build_records(_points([1024, 2048]), META))
+    merged = records.write_json(path, records.build_records(_points([2048, 4096], ok_at=4096), META))
     thr = next(r for r in merged if r["metric_name"] == "throughput")
     assert thr["x_values"] == [1024, 2048, 4096] and thr["mismatch_x_values"] == [4096]
     assert json.loads(path.read_text()) == merged
@@ -117,21 +124,21 @@ def test_records_and_merge(tmp_path):
 
 def test_table_and_plot(tmp_path):
     pts = _points([1024, 2048], ok_at=2048)
-    table = c.results_table(pts, ["prov"], 3000.0)
+    table = report.results_table(pts, ["prov"], 3000.0)
     assert "!" in table.splitlines()[-1] and "%" in table
     pytest.importorskip("matplotlib")
-    recs = [r for r in c.build_records(pts, META) if r["metric_name"] == "throughput"]
-    msg = c.plot_records(recs, tmp_path / "p.png", "t", 3000.0)
+    recs = [r for r in records.build_records(pts, META) if r["metric_name"] == "throughput"]
+    msg = report.plot_records(recs, tmp_path / "p.png", "t", 3000.0)
     assert (tmp_path / "p.png").stat().st_size > 0, msg
 
 
 def test_split_by_markers():
-    a = c.Activity
+    a = timing.Activity
     ev = [a(0, 1, "m", "kernel"), a(1, 10, "k", "kernel"), a(2, 1, "m", "kernel"), a(3, 20, "k", "kernel")]
     ev.append(a(4, 1, "m", "kernel"))
-    seg = c.split_by_markers(ev, "m", 2)
+    seg = timing.split_by_markers(ev, "m", 2)
     assert [[e.dur_ns for e in s] for s in seg] == [[10], [20]]
-    assert c.split_by_markers(ev, "m", 3) is None
+    assert timing.split_by_markers(ev, "m", 3) is None
 
 
 def test_kernel_resources_reads_the_compilers_report():
@@ -144,8 +151,46 @@ def test_kernel_resources_reads_the_compilers_report():
     cuobjdump = kr.find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("no cuobjdump (CUDA toolkit or Triton)")
-    variants = aot.variants_for(8, 64, torch.float32, 132, modes=(None,), every_path=False)
+    variants = aot.variants_for(8, 64, torch.float32, 132, kernels=(None,), every_path=False)
     names = [v.kernel_name for v in variants]
     assert names == ["rms_norm_fwd_gather", "rms_norm_bwd_direct"]
     use = kr.resource_usage(aot.cubin(variants[0], "sm_90"), cuobjdump)
     assert 0 < use["REG"] <= 255 and use["STACK"] >= 0 and use["SHARED"] >= 0
+
+
+def test_untimed_records_keep_the_committed_layout():
+    """Workspace records (sizes, not times) have no copy bandwidth or timing method, as in the committed JSON."""
+    committed = json.loads((base.BENCH_DIR / "results" / "h100" / "rms_norm_backward.json").read_text())
+    workspace = next(r for r in committed if r["metric_name"] == "workspace")
+    rec = records.new_record(
+        META, kernel_name="k", provider="p", metric="workspace", unit="bytes", op="standalone",
+        extra={"M": 1}, x_name="N", x_label="hidden size N", timed=False,
+    )  # fmt: skip
+    assert list(rec) == list(workspace)
+
+
+def test_session_checks_and_times_each_provider(tmp_path, monkeypatch):
+    """Both loops (timed configurations and eager latency) check a working provider against float64 and time
+    it, and record a failing one's error without stopping the run."""
+    monkeypatch.setenv(base.CPU_ENV, "1")
+    import bench_rmsnorm
+
+    argv = ["--reps", "2", "--out", str(tmp_path), "--no-plot"]
+    args = cli_args.finish_args(bench_rmsnorm.build_parser().parse_args(argv))
+    run = session.Session(args, "k", "k.json")
+
+    def broken(x, w):
+        raise RuntimeError("no kernel for this shape")
+
+    def torch_rms_norm(x, w):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, args.eps)
+
+    run.providers = [providers.Provider("torch", torch_rms_norm), providers.Provider("broken", broken)]
+    timed = run.run_configs("full", "grid", [("fp32", 4, 32)], session.grid_label("grid"))
+    latency = run.run_latency("forward", [2], 32, "fp32", calls=2, warmup=1)
+    for good, bad in (timed, latency):
+        assert good.ok and set(good.errs) >= {"y"} and len(good.us) == 2 and not good.error
+        assert bad.error == "RuntimeError: no kernel for this shape" and bad.ok is None and not bad.us
+    assert set(timed[0].errs) == {"y", "dx", "dw"} and not run.aborted
+    saved = json.loads((tmp_path / "k.json").read_text())
+    assert {r["metric_name"] for r in saved} == {"throughput", "speed", "latency"}

@@ -22,10 +22,13 @@ import sys
 
 import torch
 
-try:
-    from . import common
-except ImportError:
-    import common
+try:  # imported as part of the bench package / namespace
+    from . import base, cli_args, timing, traffic
+except ImportError:  # run as a script: bench/ is on sys.path
+    import base
+    import cli_args
+    import timing
+    import traffic
 
 OPS = ("forward", "backward")
 
@@ -44,7 +47,7 @@ def parse_set(text: str) -> tuple[str, list[int]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tune_cutile.py", description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=OPS, default="backward")
-    parser.add_argument("--dtype", type=common.parse_dtype, default="bf16", help="bf16, fp16 or fp32")
+    parser.add_argument("--dtype", type=cli_args.parse_dtype, default="bf16", help="bf16, fp16 or fp32")
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("4096x4096,32768x4096"), help="MxN,...")
     parser.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], help="NAME=v1,v2")
     parser.add_argument("--hint", dest="hints", type=parse_set, action="append", default=[], help="NAME=v1,v2")
@@ -56,12 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _inputs(op: str, m: int, n: int, dtype: torch.dtype, device: torch.device):
     per_set = m * n * dtype.itemsize * (2 if op == "forward" else 3)
-    count, _ = common.rotation_sets(per_set, common.l2_bytes(device))
+    count, _ = traffic.rotation_sets(per_set, timing.l2_bytes(device))
     sets = []
     for _ in range(count):
         x = torch.randn(m, n, dtype=dtype, device=device)
         sets.append((x, torch.randn_like(x), torch.rand(m, device=device) + 0.5))
-    return sets, common.op_bytes(op, m, n, dtype.itemsize)
+    return sets, traffic.op_bytes(op, m, n, dtype.itemsize)
 
 
 def _call(cutile, op, w):
@@ -70,7 +73,7 @@ def _call(cutile, op, w):
     return lambda s: cutile.backward(s[1], s[0], w, s[2], 0.0, "llama")
 
 
-def _time_us(timer: common.Timer, fn, sets, reps: int) -> float:
+def _time_us(timer: timing.Timer, fn, sets, reps: int) -> float:
     for s in sets[:2]:
         fn(s)  # compile and warm up
     torch.cuda.synchronize()
@@ -79,18 +82,16 @@ def _time_us(timer: common.Timer, fn, sets, reps: int) -> float:
         for s in sets:
             fn(s)
 
-    return common.summarize(timer.time_reps(run_pass, reps, len(sets)).us)[0]
+    return traffic.summarize(timer.time_reps(run_pass, reps, len(sets)).us)[0]
 
 
 def _breakdown(fn, sets) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def loop():
         for s in sets:
             fn(s)
-        torch.cuda.synchronize()
+
     rows = []
-    for evt in prof.key_averages():
+    for evt in timing.profiled(loop, cpu=False).key_averages():
         total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
         if total:
             rows.append(f"    {evt.key[:70]:<70} {total / len(sets):9.1f} us/call")
@@ -120,11 +121,11 @@ def _apply(config, launch_module, original_with_hints, names, hint_names, combo,
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tune_cutile.py needs a CUDA GPU", file=sys.stderr)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    device = timing.cuda_device(parser.prog)
+    if device is None:
         return 2
-    common.ensure_repo_on_path()
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import config
     from tilegym_rms.cutile import launch as launch_module
@@ -135,13 +136,10 @@ def main(argv=None) -> int:
         if not hasattr(config, name):
             print(f"config has no constant {name!r}", file=sys.stderr)
             return 2
-    device = torch.device("cuda", torch.cuda.current_device())
-    dtype = common.DTYPES[args.dtype]
-    timer = common.Timer(device, "profiler")
+    dtype = base.DTYPES[args.dtype]
+    timer = timing.Timer(device, "profiler")
     print(timer.calibrate())
-    buffers = [torch.empty(1 << 30, dtype=torch.uint8, device=device) for _ in range(2)]
-    copy_bw = common.gbps(2 << 30, _time_us(timer, lambda pair: pair[0].copy_(pair[1]), [buffers], 5))
-    del buffers
+    copy_bw = traffic.summarize(timing.copy_bandwidth(timer, device, base.COPY_BYTES, 5)[0])[0]
     print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {copy_bw:.0f} GB/s; {args.op} {args.dtype}")
     names = [name for name, _ in args.sets]
     hint_names = [name for name, _ in args.hints]
@@ -156,12 +154,12 @@ def main(argv=None) -> int:
             cutile.clear_caches()
             try:
                 us = _time_us(timer, fn, sets, args.reps)
-                gb = common.gbps(nbytes, us)
+                gb = traffic.gbps(nbytes, us)
                 print(f"  {m:>6} x {n:<6} {setting:<50} {us:9.1f} us {gb:6.0f} GB/s ({100 * gb / copy_bw:.0f}%)")
                 if args.breakdown:
                     print(_breakdown(fn, sets))
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile is a result too
-                print(f"  {m:>6} x {n:<6} {setting}: {common.short_error(exc)}")
+                print(f"  {m:>6} x {n:<6} {setting}: {base.short_error(exc)}")
             finally:
                 for name, value in original.items():
                     setattr(config, name, value)

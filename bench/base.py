@@ -1,0 +1,79 @@
+"""What every benchmark module shares: the fixed choices (dtypes and tolerances, the grid, input rotation,
+providers, the timing methods' descriptions) and the one-line helpers for progress and errors.
+
+``TILEGYM_RMS_BENCH_CPU=1`` runs the whole pipeline on the CPU with wall-clock timing; it exists only to test
+the scripts themselves, its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOLERANCE = {"bf16": 1e-2, "fp16": 1e-2, "fp32": 1e-4}
+
+GRID_M = (4096, 32768)
+GRID_N = (1024, 2048, 4096, 5120, 7168, 8192, 16384)
+QUICK_M = (4096,)
+QUICK_N = (2048, 8192)
+
+EPS = 1e-6
+L2_FALLBACK_BYTES = 50 * 2**20
+L2_FACTOR = 4
+MAX_SETS = 512  # tiny shapes: more sets would only add Python calls; flagged when it caps
+MIN_CALLS_PER_PASS = 4
+COPY_BYTES = 2**30
+DEFAULT_REPS = 20
+QUICK_REPS = 10
+MARKER_CYCLES = 1000
+DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+CPU_ENV = "TILEGYM_RMS_BENCH_CPU"
+
+PROVIDERS_ALL = (
+    "tilegym_rms-cutile",
+    "tilegym_rms-triton",
+    "tilegym_rms-torch",
+    "torch",
+    "torch.compile",
+    "liger",
+    "tilegym",
+)
+PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "tilegym_rms-triton", "torch", "torch.compile", "liger", "tilegym")
+
+METHOD_TEXT = {
+    "profiler": "sum of device kernel+memcpy+memset durations (torch.profiler/CUPTI) per call",
+    "cuda-events": "CUDA-event elapsed time per repetition / calls (includes launch gaps)",
+    "wall": "host wall clock (CPU test mode; meaningless numbers)",
+}
+
+
+def log(msg: str) -> None:
+    """A progress line, flushed, on stderr."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def is_sticky_cuda_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(
+        s in text
+        for s in ("illegal memory access", "unspecified launch failure", "device-side assert", "illegal instruction")
+    )
+
+
+def short_error(exc: BaseException, limit: int = 160) -> str:
+    line = (str(exc).strip().splitlines() or [""])[0]
+    text = f"{type(exc).__name__}: {line}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def ensure_repo_on_path() -> None:
+    """When run as ``python bench/x.py``, make the checkout's tilegym_rms importable (after installed ones)."""
+    root = str(REPO_ROOT)
+    if root not in sys.path:
+        sys.path.append(root)

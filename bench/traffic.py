@@ -1,0 +1,89 @@
+"""Bytes and statistics: the minimal traffic of each op, how many input sets push it out of L2, percentiles
+and GB/s. Plain arithmetic, no device."""
+
+from __future__ import annotations
+
+import math
+
+try:  # imported as part of the bench package / namespace
+    from . import base
+except ImportError:  # run as a script: bench/ is on sys.path
+    import base
+
+
+def forward_bytes(m: int, n: int, elt: int, w_elt: int | None = None) -> int:
+    """Minimal forward traffic: read x and w, write y."""
+    w_elt = elt if w_elt is None else w_elt
+    return 2 * m * n * elt + n * w_elt
+
+
+def backward_bytes(m: int, n: int, elt: int, w_elt: int | None = None) -> int:
+    """Minimal backward traffic: read x, dy (M*N), w (N), rstd (M fp32); write dx (M*N), dw (N)."""
+    w_elt = elt if w_elt is None else w_elt
+    return 3 * m * n * elt + 2 * n * w_elt + 4 * m
+
+
+def full_bytes(m: int, n: int, elt: int, w_elt: int | None = None) -> int:
+    """Forward (plus writing rstd, M fp32) followed by backward."""
+    return forward_bytes(m, n, elt, w_elt) + 4 * m + backward_bytes(m, n, elt, w_elt)
+
+
+def op_bytes(op: str, m: int, n: int, elt: int) -> int:
+    if op == "forward":
+        return forward_bytes(m, n, elt)
+    if op in ("backward", "standalone", "autograd"):
+        return backward_bytes(m, n, elt)
+    if op == "full":
+        return full_bytes(m, n, elt)
+    raise ValueError(op)
+
+
+def read_bytes(op: str, m: int, n: int, elt: int) -> int:
+    """Bytes one call reads from its input set (what the rotation has to push out of L2)."""
+    if op == "forward":
+        return m * n * elt + n * elt
+    if op in ("backward", "standalone", "autograd"):
+        return 2 * m * n * elt + n * elt + 4 * m
+    if op == "full":
+        return 2 * m * n * elt + n * elt
+    raise ValueError(op)
+
+
+def workspace_share(minimal: int, workspace: int) -> float:
+    """Share of the traffic that the dw partial buffer adds: it is written once and read once."""
+    extra = 2 * workspace
+    total = minimal + extra
+    return extra / total if total else 0.0
+
+
+def rotation_sets(
+    set_bytes: int, l2_bytes: int, factor: int = base.L2_FACTOR, cap: int = base.MAX_SETS
+) -> tuple[int, bool]:
+    """Number of input sets so that their total exceeds factor x L2; and whether ``cap`` cut it short."""
+    need = factor * l2_bytes // max(1, set_bytes) + 1
+    return (min(need, cap), need > cap)
+
+
+def calls_per_pass(n_sets: int, minimum: int = base.MIN_CALLS_PER_PASS) -> int:
+    """Calls in one repetition: whole passes over the sets, at least ``minimum`` calls."""
+    return n_sets * max(1, math.ceil(minimum / n_sets))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(values: list[float]) -> tuple[float, float, float]:
+    """(median, 20th percentile, 80th percentile)."""
+    return percentile(values, 50), percentile(values, 20), percentile(values, 80)
+
+
+def gbps(nbytes: int, us: float) -> float:
+    return nbytes / (us * 1e-6) / 1e9 if us > 0 else float("nan")
