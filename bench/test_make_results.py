@@ -1,0 +1,66 @@
+"""bench/RESULTS.md against the committed JSON (no GPU needed): ``pytest bench/``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import make_results  # noqa: E402
+import records  # noqa: E402
+import traffic  # noqa: E402
+
+
+def test_results_md_is_up_to_date():
+    """Regenerating RESULTS.md from the committed JSON gives the committed text."""
+    expected = make_results.render()
+    assert make_results.RESULTS_MD.read_text() == expected, "stale: run python bench/make_results.py"
+
+
+def test_every_committed_file_is_linked():
+    text = make_results.RESULTS_MD.read_text()
+    for path in sorted(make_results.RESULTS_DIR.glob("*/*")):
+        if path.suffix in (".json", ".png"):
+            assert f"(results/{path.parent.name}/{path.name})" in text, path
+
+
+def _point(provider: str, n: int, us: float, ok: bool = True) -> records.Point:
+    extra = {"M": 4096, "dtype": "bf16", "suite": "grid"}
+    p = records.Point("rms_norm", "forward", "grid", provider, "bf16", 4096, n, "N", "hidden size N", n, extra)
+    p.us, p.nbytes, p.errs, p.ok = [us] * 3, traffic.forward_bytes(4096, n, 2), {"y": 1e-3}, ok
+    return p
+
+
+def test_render_layout(tmp_path):
+    """Bold where cuTile leads its row, '!' on a failed check, a dash where a provider has no point, the % of
+    the run's copy bandwidth, the card, the method and the plot link."""
+    meta = {
+        "gpu_name": "Test GPU",
+        "timestamp": "2030-01-02 03:04:05",
+        "tilegym_rms_version": "9.9",
+        "copy_bandwidth_GBps": 1000.0,
+        "timing_method": make_results.base.METHOD_TEXT["profiler"],
+    }
+    pts = [_point("tilegym_rms-cutile", 1024, 20.0), _point("tilegym_rms-cutile", 2048, 80.0, ok=False)]
+    pts += [_point("liger", 1024, 40.0), _point("liger", 2048, 40.0), _point("torch", 1024, 30.0)]
+    card = tmp_path / "results" / "test"
+    card.mkdir(parents=True)
+    (card / "rms_norm.json").write_text(json.dumps(records.build_records(pts, meta)))
+    (card / "rms_norm_forward.png").write_bytes(b"")
+    text = make_results.render(tmp_path / "results", tmp_path / "RESULTS.md")
+    gb_1024 = traffic.gbps(traffic.forward_bytes(4096, 1024, 2), 20.0)
+    assert f"| 4096 × 1024 | **{gb_1024:.0f} ({gb_1024 / 10:.0f}%)** |" in text
+    row_2048 = next(line for line in text.splitlines() if line.startswith("| 4096 × 2048 "))
+    assert "!" in row_2048 and "**" not in row_2048 and f"| {make_results.MISSING} |" in row_2048
+    assert "## Test GPU (`results/test/`)" in text and "Recorded 2030-01-02 03:04; tilegym_rms 9.9" in text
+    assert "#### Forward, bf16 ([plot](results/test/rms_norm_forward.png))" in text
+    assert "Timing: `profiler`" in text and "Copy bandwidth 1000 GB/s" in text
+
+
+def test_check_mode(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    args = ["--out", str(out), "--check"]
+    assert make_results.main(args) == 1 and not out.exists()
+    assert make_results.main(args[:2]) == 0 and make_results.main(args) == 0
