@@ -13,14 +13,14 @@ failure (2 without a usable GPU). A plan that no longer matches its class (after
 
 Classes (``--kernels`` takes class names, kernel names, ``forward``, ``backward``, ``racecheck`` or ``all``):
 
-* ``fwd_gather``: ``rms_norm_fwd_gather``, one row per block in a single tile (``mode="gather"``).
+* ``fwd_gather``: ``rms_norm_fwd_gather``, one row per block in a single tile (``kernel="gather"``).
 * ``fwd_gather_chunked``: the same kernel over column chunks, as the product runs rows wider than the widest
   single tile; forced on narrower rows by lowering ``config.FWD_MAX_SINGLE_TILE_N``.
 * ``fwd_gather_norstd``: the gather kernel without the rstd store (``store_rstd=False``, inference).
-* ``fwd_persistent`` / ``fwd_persistent_tail``: ``rms_norm_fwd_persistent`` (``mode="persistent"``) with one
+* ``fwd_persistent`` / ``fwd_persistent_tail``: ``rms_norm_fwd_persistent`` (``kernel="persistent"``) with one
   padded tile, or a tile plus a narrower tail tile.
 * ``bwd_direct``: ``rms_norm_bwd_direct`` (dx blocks, then dw strip blocks, one launch).
-* ``bwd_fused``: ``rms_norm_bwd_persistent`` (with or without a tail tile), then ``rms_norm_dw_reduce``.
+* ``bwd_persistent``: ``rms_norm_bwd_persistent`` (with or without a tail tile), then ``rms_norm_dw_reduce``.
 * ``bwd_chunked``: ``rms_norm_bwd_row_dot`` + ``rms_norm_bwd_column_chunk``, then ``rms_norm_dw_reduce``.
 * ``dw_reduce``: ``rms_norm_dw_reduce`` alone, on fp32 partial buffers of odd row counts (M is their rows).
 
@@ -30,7 +30,7 @@ the host caches (``tilegym_rms.cutile.clear_caches``) around the case; the plan 
 product's ``_backward_config``. No product file is patched. Compile-time constants depend on N, the dtype and
 the weight, never on M, and a forced plan keeps the product's tiles, so forcing a class onto a shape the
 product would route elsewhere compiles nothing new. Each line says how its class was reached: ``picked``
-(what the product launches for that call), ``mode=`` (the forward's ``mode`` argument) or ``forced``.
+(what the product launches for that call), ``kernel=`` (the forward's ``kernel`` argument) or ``forced``.
 
 Shapes: M in {1, 7, 4097}; N in {1, 3, 1000, 5120, 10001, 12288, 20000, 65537}, each class on the widths it
 applies to. 10001 is there because the other tail-tile widths fill their tail tile exactly: with it, the
@@ -132,7 +132,7 @@ class KernelClass:
     kernels: tuple[str, ...]  # every kernel the class can launch
     accepts: Callable  # config -> whether the plan is this class
     sums: str  # what it reduces inside a block (why racecheck covers it)
-    mode: str | None = None  # the forward's mode argument
+    kernel: str | None = None  # the forward's kernel argument
     store_rstd: bool = True
     patch: tuple[tuple[str, int], ...] = ()  # config constants overridden to force the class
     ns: tuple[int, ...] | None = None  # widths it runs on (None: every N it applies to)
@@ -143,17 +143,17 @@ CLASSES = (
         "fwd_gather",
         "forward",
         (GATHER,),
-        lambda c: c.mode == "gather" and c.single_tile,
+        lambda c: c.kernel == "gather" and c.single_tile,
         "the row's sum of squares across the warps holding its one tile",
-        mode="gather",
+        kernel="gather",
     ),
     KernelClass(
         "fwd_gather_chunked",
         "forward",
         (GATHER,),
-        lambda c: c.mode == "gather" and not c.single_tile,
+        lambda c: c.kernel == "gather" and not c.single_tile,
         "the sum of squares accumulated over column chunks, then across warps",
-        mode="gather",
+        kernel="gather",
         patch=(("FWD_MAX_SINGLE_TILE_N", 0),),
         # One chunk almost all padding, a partial last chunk, a last chunk of one column.
         ns=(3, 20000, 65537),
@@ -162,9 +162,9 @@ CLASSES = (
         "fwd_gather_norstd",
         "forward",
         (GATHER,),
-        lambda c: c.mode == "gather",
+        lambda c: c.kernel == "gather",
         "as fwd_gather; only the rstd store is left out",
-        mode="gather",
+        kernel="gather",
         store_rstd=False,
         # It differs from the gather classes by one store: a tiny row, a padded row, a chunked row.
         ns=(3, 5120, 65537),
@@ -173,31 +173,31 @@ CLASSES = (
         "fwd_persistent",
         "forward",
         (PERSISTENT,),
-        lambda c: c.mode == "persistent" and not c.tail_n,
+        lambda c: c.kernel == "persistent" and not c.tail_n,
         "per-row sums of squares of a multi-row tile, once per grid-stride step",
-        mode="persistent",
+        kernel="persistent",
     ),
     KernelClass(
         "fwd_persistent_tail",
         "forward",
         (PERSISTENT,),
-        lambda c: c.mode == "persistent" and c.tail_n > 0,
+        lambda c: c.kernel == "persistent" and c.tail_n > 0,
         "per-row sums of squares over the tile and the tail tile, once per grid-stride step",
-        mode="persistent",
+        kernel="persistent",
     ),
     KernelClass(
         "bwd_direct",
         "backward",
         (BWD_DIRECT,),
-        lambda c: c.mode == "direct",
+        lambda c: c.plan == "direct",
         "row dots of x^ and g (dx blocks); dw columns over the rows of a strip (strip blocks)",
         patch=(("BWD_DIRECT_MAX_ROWS_PER_SM", UNLIMITED),),
     ),
     KernelClass(
-        "bwd_fused",
+        "bwd_persistent",
         "backward",
         (BWD_PERSISTENT, REDUCE),
-        lambda c: c.mode == "fused",
+        lambda c: c.plan == "persistent",
         "row dots (over the rows' columns) and dw (over the tile's rows) each grid-stride step",
         patch=(("BWD_DIRECT_MAX_TILE_N", 0),),
     ),
@@ -205,7 +205,7 @@ CLASSES = (
         "bwd_chunked",
         "backward",
         (ROW_DOT, COLUMN_CHUNK, REDUCE),
-        lambda c: c.mode == "chunked",
+        lambda c: c.plan == "chunked",
         "row dots over column chunks (row_dot); dw over the tile's rows each step (column_chunk)",
         patch=(("BWD_DIRECT_MAX_TILE_N", 0), ("BWD_MAX_SINGLE_TILE_N", 0)),
         # One chunk almost all padding, then partial last chunks of several sizes down to one column.
@@ -248,7 +248,7 @@ class Plan:
 
     cfg: object  # ForwardConfig / BackwardConfig / None (dw_reduce)
     red: object  # ReduceConfig when the dw reduction runs, else None
-    how: str  # "picked", "mode=" or "forced"
+    how: str  # "picked", "kernel=" or "forced"
     kernels: tuple[str, ...]
     variants: tuple[tuple, ...]  # one key per compiled kernel variant
     text: str
@@ -274,9 +274,9 @@ def _hints_text(hints) -> str:
     return ",".join(f"{short.get(k, k)}={v}" for k, v in hints) or "-"
 
 
-def _config_for(cls: KernelClass, dev: int, m: int, n: int, dtype: torch.dtype, mode=None):
+def _config_for(cls: KernelClass, dev: int, m: int, n: int, dtype: torch.dtype, kernel=None):
     if cls.op == "forward":
-        return cutile._forward_config(dev, m, n, dtype, mode)
+        return cutile._forward_config(dev, m, n, dtype, kernel)
     if cls.op == "backward":
         return cutile._backward_config(dev, m, n, dtype)
     return None
@@ -287,10 +287,10 @@ def plan(case: Case, dev: int) -> Plan | None:
     cls, m, n, dtype, has_w = case.cls, case.m, case.n, case.dtype, case.has_w
     with overridden(cls.patch):
         try:
-            cfg = _config_for(cls, dev, m, n, dtype, cls.mode)
-        except ValueError:  # e.g. mode="persistent" on rows wider than its widest tile
+            cfg = _config_for(cls, dev, m, n, dtype, cls.kernel)
+        except ValueError:  # e.g. kernel="persistent" on rows wider than its widest tile
             return None
-        reduces = cls.op == "reduce" or (cls.op == "backward" and has_w and cfg.mode != "direct")
+        reduces = cls.op == "reduce" or (cls.op == "backward" and has_w and cfg.plan != "direct")
         red = cutile._reduce_config(dev, n) if reduces else None
     if cfg is not None and not cls.accepts(cfg):
         return None
@@ -301,7 +301,7 @@ def plan(case: Case, dev: int) -> Plan | None:
         if cls.accepts(default):
             how = "picked"
         elif cls.op == "forward" and not cls.patch:
-            how = "mode="
+            how = "kernel="
         else:
             how = "forced"
     kernels, variants, text = _describe(case, cfg, red)
@@ -315,7 +315,7 @@ def _describe(case: Case, cfg, red):
     kernels, variants, parts = [], [], []
     if cfg is None:
         pass
-    elif case.cls.op == "forward" and cfg.mode == "gather":
+    elif case.cls.op == "forward" and cfg.kernel == "gather":
         kernels.append(GATHER)
         variants.append((GATHER, dt, cfg.tile_n, CASTING, w, cfg.single_tile, case.cls.store_rstd, cfg.hints))
         count = config.cdiv(case.n, cfg.tile_n)
@@ -326,12 +326,12 @@ def _describe(case: Case, cfg, red):
         variants.append((PERSISTENT, dt, cfg.tile_m, cfg.tile_n, cfg.tail_n, CASTING, w, cfg.hints))
         tail = f"+{cfg.tail_n}" if cfg.tail_n else ""
         parts.append(f"persistent {cfg.tile_m}x{cfg.tile_n}{tail} grid={cfg.grid} {_hints_text(cfg.hints)}")
-    elif cfg.mode == "direct":
+    elif cfg.plan == "direct":
         kernels.append(BWD_DIRECT)
         variants.append((BWD_DIRECT, dt, cfg.tile_m, cfg.tile_n, cfg.strip_n, cfg.strip_m, w, cfg.hints))
         strips = f" + {cfg.num_chunks} strips {cfg.strip_m}x{cfg.strip_n}" if w else ""
         parts.append(f"direct {cfg.tile_m}x{cfg.tile_n} grid={cfg.grid}{strips} {_hints_text(cfg.hints)}")
-    elif cfg.mode == "fused":
+    elif cfg.plan == "persistent":
         kernels.append(BWD_PERSISTENT)
         variants.append((BWD_PERSISTENT, dt, cfg.tile_m, cfg.tile_n, cfg.tail_n, w, cfg.hints))
         tail = f"+{cfg.tail_n}" if cfg.tail_n else ""
@@ -448,7 +448,7 @@ def run_case(case: Case, p: Plan, device: torch.device) -> dict[str, float]:
     x64, w64 = x.double(), (w.double() if w is not None else None)
     y_ref, rstd_ref = reference.rms_norm_forward(x64, w64, EPS, OFFSET, CASTING)
     if case.cls.op == "forward":
-        y, rstd = cutile.forward(x, w, EPS, OFFSET, CASTING, store_rstd=case.cls.store_rstd, mode=case.cls.mode)
+        y, rstd = cutile.forward(x, w, EPS, OFFSET, CASTING, store_rstd=case.cls.store_rstd, kernel=case.cls.kernel)
         torch.cuda.synchronize(device)
         errs = {"y": rel_err(y, y_ref)}
         if case.cls.store_rstd:
@@ -459,10 +459,10 @@ def run_case(case: Case, p: Plan, device: torch.device) -> dict[str, float]:
 
     dy = torch.randn(m, n, dtype=dtype, device=device, generator=gen)
     rstd = rstd_ref.float()  # the backward's input, as a forward would store it
-    dx, dw = cutile.backward(dy, x, w, rstd, OFFSET, CASTING)
+    dx, dw = cutile.backward(x, dy, w, rstd, OFFSET, CASTING)
     torch.cuda.synchronize(device)
     dy64, rstd64 = dy.double(), rstd.double()
-    dx_ref, dw_ref = reference.rms_norm_backward(dy64, x64, w64, rstd64, OFFSET)
+    dx_ref, dw_ref = reference.rms_norm_backward(x64, dy64, w64, rstd64, OFFSET)
     g = dy64 if w64 is None else dy64 * (w64 + OFFSET)
     errs = {"dx": rel_err(dx, dx_ref, rstd64.unsqueeze(-1) * g)}
     if w is None:
@@ -496,7 +496,7 @@ def execute(selected: list[tuple[Case, Plan]], device: torch.device) -> int:
         try:
             with overridden(case.cls.patch), recording_launches() as launched:
                 # The configuration the launch will read from the host's cache, under the same overrides.
-                live = _config_for(case.cls, device.index, case.m, case.n, case.dtype, case.cls.mode)
+                live = _config_for(case.cls, device.index, case.m, case.n, case.dtype, case.cls.kernel)
                 if live != p.cfg:
                     raise AssertionError(f"configuration {live}, planned {p.cfg}")
                 errs = run_case(case, p, device)
@@ -539,15 +539,15 @@ def print_plan(selected: list[tuple[Case, Plan]], classes: list[KernelClass], sm
     for i, (case, p) in enumerate(selected, 1):
         print(f"{i:>4} {case.label} {p.how:<6} {'+'.join(p.kernels):<60} {p.text}")
     print()
-    print(f"{'class':<20} {'cases':>5} {'picked':>6} {'mode=':>5} {'forced':>6} {'variants':>8}  reduces in a block")
+    print(f"{'class':<20} {'cases':>5} {'picked':>6} {'kernel=':>7} {'forced':>6} {'variants':>8}  reduces in a block")
     all_variants = set()
     for cls in classes:
         mine = [p for c, p in selected if c.cls is cls]
         variants = {v for p in mine for v in p.variants}
         all_variants |= variants
-        counts = [sum(p.how == h for p in mine) for h in ("picked", "mode=", "forced")]
+        counts = [sum(p.how == h for p in mine) for h in ("picked", "kernel=", "forced")]
         print(
-            f"{cls.name:<20} {len(mine):>5} {counts[0]:>6} {counts[1]:>5} {counts[2]:>6} {len(variants):>8}  {cls.sums}"
+            f"{cls.name:<20} {len(mine):>5} {counts[0]:>6} {counts[1]:>7} {counts[2]:>6} {len(variants):>8}  {cls.sums}"
         )
     print(
         f"{len(selected)} cases, {len(all_variants)} distinct kernel variants to compile "

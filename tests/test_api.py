@@ -112,18 +112,18 @@ def test_dispatch_cuda_order(monkeypatch):
         return available
 
     import tilegym_rms._torch_backend as tb
-    import tilegym_rms.ascend as ascend
     import tilegym_rms.cutile as cutile
+    import tilegym_rms.triton as triton_backend
 
     cuda0 = torch.device("cuda", 0)
     monkeypatch.setattr(cutile, "available", fake("cutile", True))
     assert dispatch.resolve_backend(cuda0) == "cutile"
     dispatch._clear_cache()
     monkeypatch.setattr(cutile, "available", fake("cutile", False))
-    monkeypatch.setattr(ascend, "available", fake("triton", True))
+    monkeypatch.setattr(triton_backend, "available", fake("triton", True))
     assert dispatch.resolve_backend(cuda0) == "triton"
     dispatch._clear_cache()
-    monkeypatch.setattr(ascend, "available", fake("triton", False))
+    monkeypatch.setattr(triton_backend, "available", fake("triton", False))
     monkeypatch.setattr(tb, "available", fake("torch", True))
     assert dispatch.resolve_backend(cuda0) == "torch"
 
@@ -223,3 +223,32 @@ def test_module_rejects_offset_without_weight():
         tilegym_rms.RMSNorm(8, elementwise_affine=False, offset=1.0)
     y = tilegym_rms.RMSNorm(8, elementwise_affine=False)(torch.randn(2, 8))
     assert y.shape == (2, 8)
+
+
+@pytest.mark.parametrize("name", tilegym_rms.BACKENDS)
+def test_backend_modules_satisfy_the_contract(name):
+    """Each backend module has the members of dispatch.Backend with the protocol's parameter names,
+    and its optional capabilities with theirs (ops calls them by keyword and position)."""
+    import inspect
+
+    module = dispatch.backend_module(name)
+    assert isinstance(module, dispatch.Backend)
+
+    def params(fn):
+        return [p for p in inspect.signature(fn).parameters if p != "self"]
+
+    for proto in (dispatch.Backend, dispatch.FusedAddBackend, dispatch.WorkspaceBackend):
+        members = [m for m in vars(proto) if not m.startswith("_") and callable(getattr(proto, m))]
+        if proto is not dispatch.Backend and not isinstance(module, proto):
+            continue
+        for member in members:
+            assert params(getattr(module, member)) == params(getattr(proto, member)), (name, member)
+    assert all(isinstance(d, torch.dtype) for d in module.SUPPORTED_DTYPES)
+    assert all(isinstance(k, str) for k in module.FORWARD_KERNELS)
+
+
+def test_kernel_values_a_backend_does_not_know_are_rejected():
+    with pytest.raises(ValueError, match="backend 'torch' has one forward kernel: kernel must be None"):
+        tilegym_rms.rms_norm(torch.randn(2, 4), kernel="gather")
+    with pytest.raises(ValueError, match="backend 'torch' has one forward kernel"):
+        tilegym_rms.rms_norm_forward(torch.randn(2, 4), kernel="persistent")

@@ -27,9 +27,9 @@ def host(monkeypatch):
     cutile.clear_caches()
 
 
-def fwd(host, m, n, dtype=BF16, mode=None) -> config.ForwardConfig:
+def fwd(host, m, n, dtype=BF16, kernel=None) -> config.ForwardConfig:
     """The forward configuration the product uses for an (m, n) input (device index irrelevant here)."""
-    return host._forward_config(0, m, n, dtype, mode)
+    return host._forward_config(0, m, n, dtype, kernel)
 
 
 def fwd_kernel(host, m, n, dtype=BF16) -> str:
@@ -44,7 +44,7 @@ def fwd_kernel(host, m, n, dtype=BF16) -> str:
 def test_forward_config_invariants(m, n):
     cfg = config.forward_config(m, n, torch.bfloat16, SMS)
     assert cfg.tile_n & (cfg.tile_n - 1) == 0 and cfg.tile_m & (cfg.tile_m - 1) == 0
-    if cfg.mode == "persistent":
+    if cfg.kernel == "persistent":
         most = max(config.FWD_NARROW_BLOCKS_PER_SM, config.FWD_WIDE_BLOCKS_PER_SM, config.FWD_TINY_BLOCKS_PER_SM)
         assert cfg.tile_n + cfg.tail_n >= n and 1 <= cfg.grid <= SMS * most
         assert cfg.grid <= config.cdiv(m, cfg.tile_m)
@@ -62,14 +62,14 @@ def test_forward_dispatch_thresholds(host):
         assert fwd_kernel(host, m, 4096) == "persistent", m
     wide = 2 * config.FWD_MAX_SINGLE_TILE_N
     cfg = fwd(host, 65536, wide)
-    assert cfg.mode == "gather" and not cfg.single_tile and cfg.tile_n == config.FWD_CHUNK_N
+    assert cfg.kernel == "gather" and not cfg.single_tile and cfg.tile_n == config.FWD_CHUNK_N
     cfg = fwd(host, 65536, config.FWD_MAX_SINGLE_TILE_N)
-    assert cfg.mode == "gather" and cfg.single_tile and cfg.tile_n == config.FWD_MAX_SINGLE_TILE_N
-    assert fwd(host, 65536, config.FWD_MAX_PERSISTENT_TILE_N, mode="persistent").mode == "persistent"
-    with pytest.raises(ValueError, match="mode='gather'"):
-        fwd(host, 65536, 2 * config.FWD_MAX_PERSISTENT_TILE_N, mode="persistent")
-    with pytest.raises(ValueError, match="mode must be one of"):
-        fwd(host, 8, 8, mode="fast")
+    assert cfg.kernel == "gather" and cfg.single_tile and cfg.tile_n == config.FWD_MAX_SINGLE_TILE_N
+    assert fwd(host, 65536, config.FWD_MAX_PERSISTENT_TILE_N, kernel="persistent").kernel == "persistent"
+    with pytest.raises(ValueError, match="kernel='gather'"):
+        fwd(host, 65536, 2 * config.FWD_MAX_PERSISTENT_TILE_N, kernel="persistent")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        fwd(host, 8, 8, kernel="fast")
 
 
 def test_forward_launches_the_kernel_of_the_bucket(host, monkeypatch):
@@ -92,10 +92,10 @@ def test_backward_config_invariants(m, n):
     cfg = config.backward_config(m, n, torch.bfloat16, SMS)
     assert 1 <= cfg.grid <= max(m, 1)
     assert cfg.tile_m & (cfg.tile_m - 1) == 0
-    if cfg.mode == "direct":
+    if cfg.plan == "direct":
         assert cfg.tile_n == config.next_pow2(n) and cfg.grid * cfg.tile_m >= m
         assert cfg.num_chunks * cfg.strip_n >= n and cfg.strip_m * cfg.strip_n == config.BWD_DIRECT_STRIP_ELEMS
-    elif cfg.mode == "fused":
+    elif cfg.plan == "persistent":
         assert (cfg.tile_n, cfg.tail_n) == config.split_row(n) and cfg.num_chunks == 1
     else:
         assert cfg.num_chunks * cfg.tile_n >= n and next_pow2_gt(n)
@@ -103,11 +103,11 @@ def test_backward_config_invariants(m, n):
 
 def test_backward_is_one_launch_for_few_rows_of_one_tile():
     few = config.BWD_DIRECT_MAX_ROWS_PER_SM * SMS
-    assert config.backward_config(few, 4096, torch.bfloat16, SMS).mode == "direct"
-    assert config.backward_config(few + 1, 4096, torch.bfloat16, SMS).mode == "fused"
+    assert config.backward_config(few, 4096, torch.bfloat16, SMS).plan == "direct"
+    assert config.backward_config(few + 1, 4096, torch.bfloat16, SMS).plan == "persistent"
     wider = 2 * config.BWD_DIRECT_MAX_TILE_N
-    assert config.backward_config(8, wider, torch.bfloat16, SMS).mode == "fused"
-    assert config.backward_config(8, 2 * config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS).mode == "chunked"
+    assert config.backward_config(8, wider, torch.bfloat16, SMS).plan == "persistent"
+    assert config.backward_config(8, 2 * config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS).plan == "chunked"
     strips = config.backward_config(8, 4096, torch.bfloat16, SMS)
     assert strips.strip_n == config.BWD_DIRECT_MIN_STRIP_N  # 4096 / 132 SMs: the narrowest strip
     assert config.backward_config(8, 4096, torch.bfloat16, 16).strip_n == config.BWD_DIRECT_MAX_STRIP_N
@@ -128,7 +128,7 @@ def test_every_m_of_a_bucket_launches_one_compiled_variant(host, bucket, n):
     assert len({(p.kernel, p.constants, p.hints) for p in plans.values()}) == 1
     for m, p in plans.items():
         cfg = fwd(host, m, n)
-        if cfg.mode == "gather":
+        if cfg.kernel == "gather":
             assert p.grid == (m,)
         else:
             assert 1 <= p.grid[0] <= config.cdiv(m, cfg.tile_m) and p.grid[0] <= plans[bucket].grid[0]
@@ -147,15 +147,15 @@ def test_compiler_hints_follow_the_tile_width(host):
     """Narrow tiles get the occupancy hint; wide backward tiles one block per SM with 8 warps (NOTES
     experiments 6 and 10); a zero constant sets no hint."""
     narrow_f = fwd(host, 8192, 4096)  # persistent: bucket 8192 is below GATHER_PREFERRED_MIN_M
-    assert narrow_f.mode == "persistent" and narrow_f.hints == (("occupancy", config.FWD_NARROW_OCCUPANCY),)
+    assert narrow_f.kernel == "persistent" and narrow_f.hints == (("occupancy", config.FWD_NARROW_OCCUPANCY),)
     assert narrow_f.grid == SMS * config.FWD_NARROW_BLOCKS_PER_SM
     assert fwd(host, 65536, 1024).grid == SMS * config.FWD_TINY_BLOCKS_PER_SM
     wide_f = fwd(host, 4097, 8192)
-    assert wide_f.mode == "persistent" and wide_f.hints == ()
+    assert wide_f.kernel == "persistent" and wide_f.hints == ()
     narrow_b = config.backward_config(65536, 5120, torch.bfloat16, SMS)  # 4096 + 1024: still narrow
     assert narrow_b.hints == (("occupancy", config.BWD_NARROW_OCCUPANCY),)
     wide_b = config.backward_config(65536, config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
-    assert wide_b.mode == "fused" and wide_b.grid == SMS * config.BWD_WIDE_BLOCKS_PER_SM
+    assert wide_b.plan == "persistent" and wide_b.grid == SMS * config.BWD_WIDE_BLOCKS_PER_SM
     assert dict(wide_b.hints) == {
         "occupancy": config.BWD_WIDE_OCCUPANCY,
         "num_worker_warps": config.BWD_WIDE_WORKER_WARPS,
@@ -168,7 +168,7 @@ def test_gather_hints_follow_the_tile_width_table(host):
     for n, widest in ((1000, 2048), (2048, 2048), (3000, 4096), (5120, 8192), (16384, 16384), (20000, 32768)):
         occupancy, warps = table[widest]
         cfg = fwd(host, 8, n)
-        assert cfg.mode == "gather" and cfg.single_tile
+        assert cfg.kernel == "gather" and cfg.single_tile
         assert dict(cfg.hints) == {k: v for k, v in (("occupancy", occupancy), ("num_worker_warps", warps)) if v}
     chunked = fwd(host, 8, 2 * config.FWD_MAX_SINGLE_TILE_N)
     occupancy, warps = config.GATHER_CHUNKED_HINTS
@@ -195,10 +195,10 @@ def test_gather_is_preferred_at_large_m_from_its_measured_width(host):
 
 def test_persistent_forward_splits_only_rows_padded_to_the_split_width(host):
     wide = fwd(host, 65536, 12288)
-    assert wide.mode == "persistent" and (wide.tile_n, wide.tail_n) == (8192, 4096)
+    assert wide.kernel == "persistent" and (wide.tile_n, wide.tail_n) == (8192, 4096)
     assert config.FWD_SPLIT_MIN_TILE_N > 8192  # 5120 keeps one padded 8192-wide tile
     narrow = fwd(host, 8192, 5120)
-    assert narrow.mode == "persistent" and (narrow.tile_n, narrow.tail_n) == (8192, 0)
+    assert narrow.kernel == "persistent" and (narrow.tile_n, narrow.tail_n) == (8192, 0)
 
 
 def test_split_row_is_exact_for_common_widths_and_never_wider_than_padding():

@@ -2,7 +2,7 @@
 
 The grid is shaped so that its kernel variants compile in a few minutes on a fresh machine: the
 full (M, N, dtype) grid runs with the default options, and each other axis (casting mode, weight /
-offset, forward mode, strides) runs over a smaller set of shapes.
+offset, forward kernel, strides) runs over a smaller set of shapes.
 """
 
 import re
@@ -47,7 +47,7 @@ def _errors(x, w, dy, y, dx, dw, eps, offset, casting_mode, rstd=None):
     for s in range(0, x2.shape[0], step):
         xr = x2[s : s + step].double()
         y_ref, r_ref = reference.rms_norm_forward(xr, w64, eps, offset, casting_mode)
-        dx_ref, dw_part = reference.rms_norm_backward(dy2[s : s + step].double(), xr, w64, r_ref, offset)
+        dx_ref, dw_part = reference.rms_norm_backward(xr, dy2[s : s + step].double(), w64, r_ref, offset)
         pairs = {"y": (y2[s : s + step], y_ref), "dx": (dx2[s : s + step], dx_ref)}
         if rstd is not None:
             pairs["rstd"] = (rstd.reshape(-1)[s : s + step], r_ref)
@@ -63,7 +63,7 @@ def _errors(x, w, dy, y, dx, dw, eps, offset, casting_mode, rstd=None):
     return err
 
 
-def _check(m, n, dtype, *, weight=True, offset=0.0, casting_mode="llama", mode=None, x=None, eps=1e-6):
+def _check(m, n, dtype, *, weight=True, offset=0.0, casting_mode="llama", kernel=None, x=None, eps=1e-6):
     torch.manual_seed(m * 131 + n)
     dev = "cuda"
     if x is None:
@@ -71,7 +71,7 @@ def _check(m, n, dtype, *, weight=True, offset=0.0, casting_mode="llama", mode=N
     w = torch.randn(n, dtype=dtype, device=dev) if weight else None
     dy = torch.randn(x.shape, dtype=dtype, device=dev)
     kw = dict(offset=offset, casting_mode=casting_mode, backend="cutile")
-    y, rstd = tilegym_rms.rms_norm_forward(x, w, eps, mode=mode, **kw)
+    y, rstd = tilegym_rms.rms_norm_forward(x, w, eps, kernel=kernel, **kw)
     dx, dw = tilegym_rms.rms_norm_backward(x, dy, w, rstd, **kw)
     err = _errors(x, w, dy, y, dx, dw, eps, offset, casting_mode, rstd)
     tol = Y_TOL[dtype]
@@ -124,13 +124,13 @@ def test_casting_weight_offset(m, n, dtype, casting_mode, weight, offset):
 FORCED_MODE_SHAPES = [(1, 64), (4097, 1000), (7, 4096), (65536, 5120), (4097, 8192), (4097, 12288)]
 
 
-@pytest.mark.parametrize("mode", ["gather", "persistent"])
+@pytest.mark.parametrize("kernel", ["gather", "persistent"])
 @pytest.mark.parametrize(
     "m,n", [pytest.param(m, n, marks=big_gpu_memory_if(m * n >= BIG_GPU_ELEMS)) for m, n in FORCED_MODE_SHAPES]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_forced_forward_mode(m, n, dtype, mode):
-    _check(m, n, dtype, mode=mode)
+def test_forced_forward_kernel(m, n, dtype, kernel):
+    _check(m, n, dtype, kernel=kernel)
 
 
 @pytest.mark.parametrize("n", [64, 1000, 4096, 16384])
@@ -180,18 +180,18 @@ def test_default_backend_on_this_gpu_is_cutile():
     assert tilegym_rms.available_backends()["cutile"] == (True, "")
 
 
-def test_forward_mode_chosen_by_heuristic():
+def test_forward_kernel_chosen_by_heuristic():
     from tilegym_rms import cutile
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     small = torch.empty(sms, 4096, device="cuda", dtype=torch.bfloat16)
     large = torch.empty(65536, 1024, device="cuda", dtype=torch.bfloat16)
-    large_preferred = torch.empty(65536, 4096, device="cuda", dtype=torch.bfloat16)  # GATHER_PREFERRED_N
+    large_preferred = torch.empty(65536, 4096, device="cuda", dtype=torch.bfloat16)  # a GATHER_PREFERRED width
     wide = torch.empty(4096, 65536, device="cuda", dtype=torch.bfloat16)
-    assert cutile.forward_config(small).mode == "gather"
-    assert cutile.forward_config(large).mode == "persistent"
-    assert cutile.forward_config(large_preferred).mode == "gather"
-    assert cutile.forward_config(wide).mode == "gather" and not cutile.forward_config(wide).single_tile
+    assert cutile.forward_config(small).kernel == "gather"
+    assert cutile.forward_config(large).kernel == "persistent"
+    assert cutile.forward_config(large_preferred).kernel == "gather"
+    assert cutile.forward_config(wide).kernel == "gather" and not cutile.forward_config(wide).single_tile
 
 
 def test_experimental_warning_on_first_backward(monkeypatch):

@@ -15,7 +15,7 @@ Runs:
 
 * ``backend="torch"`` on the CPU (plain ``pytest``);
 * ``backend="triton"`` under the Triton interpreter on the CPU (N <= 512, M <= 64). As in
-  test_ascend_triton.py, ``TRITON_INTERPRET=1`` is set here on a host without CUDA before the kernels
+  test_triton_interpreter.py, ``TRITON_INTERPRET=1`` is set here on a host without CUDA before the kernels
   are imported; where the interpreter is still not on in this process (a CUDA host, or triton
   imported before this module), these tests re-run themselves in a fresh pytest process with
   ``TRITON_INTERPRET=1``. bf16 is compared with float64 only there: the interpreter rounds
@@ -39,7 +39,7 @@ import pytest
 import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    # Before anything imports the Triton kernels (see test_ascend_triton.py): the interpreter is
+    # Before anything imports the Triton kernels (see test_triton_interpreter.py): the interpreter is
     # chosen when a kernel is decorated. On a CUDA host it stays off so the GPU tests compile.
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -633,7 +633,7 @@ _CHILD_ENV = "TILEGYM_RMS_PROPERTIES_CHILD"  # set in the fresh process below: n
 
 def _interpreter_unusable_reason():
     """None when the Triton kernels run under the interpreter in this process, else why they do not."""
-    from tilegym_rms.ascend import config
+    from tilegym_rms.triton import config
 
     if not config.interpreter_enabled():
         return "TRITON_INTERPRET=1 is not set in this process (a CUDA host compiles Triton instead)"
@@ -641,7 +641,7 @@ def _interpreter_unusable_reason():
 
     if type(tl.cdiv).__name__ != "InterpretedFunction":
         return "triton was imported (e.g. by torch._dynamo) before TRITON_INTERPRET=1 was set"
-    from tilegym_rms.ascend import kernels
+    from tilegym_rms.triton import kernels
 
     if type(kernels.rms_norm_fwd_kernel).__name__ != "InterpretedFunction":
         return "the Triton kernels were created before TRITON_INTERPRET=1 was set"
@@ -704,7 +704,7 @@ def gpu_backend(request):
     name = request.param
     if name == "triton":
         pytest.importorskip("triton")
-        from tilegym_rms.ascend import config
+        from tilegym_rms.triton import config
 
         if config.interpreter_enabled():
             pytest.skip("TRITON_INTERPRET is set: the GPU fuzz needs compiled Triton")

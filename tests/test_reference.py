@@ -51,7 +51,7 @@ def test_backward_matches_fp64_autograd(weight, offset):
     dy = torch.randn(6, 33, dtype=torch.float64)
     fp64_rms_norm(x, w, 1e-5, offset).backward(dy)
     _, rstd = reference.rms_norm_forward(x.detach(), None if w is None else w.detach(), 1e-5, offset, "gemma")
-    dx, dw = reference.rms_norm_backward(dy, x.detach(), None if w is None else w.detach(), rstd, offset)
+    dx, dw = reference.rms_norm_backward(x.detach(), dy, None if w is None else w.detach(), rstd, offset)
     assert rel_err(dx, x.grad) <= 1e-12
     if weight:
         assert rel_err(dw, w.grad) <= 1e-12

@@ -1,7 +1,7 @@
 """The Ascend (triton-ascend) RMSNorm kernels compiled by standard Triton on an NVIDIA GPU.
 
-Run alone, without ``TRITON_INTERPRET``: ``pytest -m gpu tests/test_ascend_triton_gpu.py``. The
-module skips when ``TRITON_INTERPRET`` is set (the interpreter tests in test_ascend_triton.py set it
+Run alone, without ``TRITON_INTERPRET``: ``pytest -m gpu tests/test_triton_gpu.py``. The
+module skips when ``TRITON_INTERPRET`` is set (the interpreter tests in test_triton_interpreter.py set it
 for the whole process) or when CUDA is missing. Everything is compared against
 :mod:`tilegym_rms.reference` in float64.
 """
@@ -20,9 +20,9 @@ pytest.importorskip("triton")
 from conftest import BIG_GPU_ELEMS, big_gpu_memory_if  # noqa: E402
 
 import tilegym_rms  # noqa: E402
-import tilegym_rms.ascend as ascend  # noqa: E402
+import tilegym_rms.triton as triton_backend  # noqa: E402
 from tilegym_rms import reference as ref  # noqa: E402
-from tilegym_rms.ascend import config, kernels  # noqa: E402
+from tilegym_rms.triton import config, kernels  # noqa: E402
 
 if type(kernels.rms_norm_fwd_kernel).__name__ == "InterpretedFunction":
     pytest.skip("the kernels were created under the interpreter in this process", allow_module_level=True)
@@ -57,7 +57,7 @@ def strided(M, N, dtype, seed, pad=8):
 
 
 def test_available():
-    assert ascend.available(DEVICE) == (True, "")
+    assert triton_backend.available(DEVICE) == (True, "")
 
 
 def chunked_errors(x, w, dy, y, rstd, dx, dw) -> dict:
@@ -72,7 +72,7 @@ def chunked_errors(x, w, dy, y, rstd, dx, dw) -> dict:
         rows = slice(start, start + step)
         x64, dy64, r64 = x[rows].double(), dy[rows].double(), rstd[rows].double()
         y_ref, rstd_ref = ref.rms_norm_forward(x64, w64, EPS, 0.0, "llama")
-        dx_ref, dw_part = ref.rms_norm_backward(dy64, x64, w64, r64, 0.0)
+        dx_ref, dw_part = ref.rms_norm_backward(x64, dy64, w64, r64, 0.0)
         dw_ref += dw_part
         for name, out, expected in (("y", y[rows], y_ref), ("rstd", rstd[rows], rstd_ref), ("dx", dx[rows], dx_ref)):
             assert torch.isfinite(out).all(), f"non-finite {name}"
@@ -98,9 +98,9 @@ def test_forward_backward(M, N, dtype):
     x = strided(M, N, dtype, seed=0)
     dy = strided(M, N, dtype, seed=1, pad=3)
     w = (torch.rand(N, device=DEVICE) + 0.5).to(dtype)
-    y, rstd = ascend.forward(x, w, EPS, 0.0, "llama")
+    y, rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")
     assert y.dtype == dtype and y.is_contiguous()
-    dx, dw = ascend.backward(dy, x, w, rstd, 0.0, "llama")
+    dx, dw = triton_backend.backward(x, dy, w, rstd, 0.0, "llama")
     assert dw.dtype == dtype
     err = chunked_errors(x, w, dy, y, rstd, dx, dw)
     assert err["y"] <= TOL[dtype], err
@@ -120,15 +120,15 @@ def test_casting_modes_offset_and_no_weight(M, N, dtype, casting_mode, kind):
     x = strided(M, N, dtype, seed=2)
     w, offset = (None, 0.0) if kind == "none" else ((0.1 * torch.randn(N, device=DEVICE)).to(dtype), 1.0)
     w64 = None if w is None else w.double()
-    y, rstd = ascend.forward(x, w, EPS, offset, casting_mode, store_rstd=casting_mode != "gemma")
+    y, rstd = triton_backend.forward(x, w, EPS, offset, casting_mode, store_rstd=casting_mode != "gemma")
     y_ref, _ = ref.rms_norm_forward(x.double(), w64, EPS, offset, casting_mode)
     assert rel_err(y, y_ref) <= TOL[dtype]
     assert (rstd is None) == (casting_mode == "gemma")
     if rstd is None:
         return
     dy = strided(M, N, dtype, seed=3)
-    dx, dw = ascend.backward(dy, x, w, rstd, offset, casting_mode)
-    dx_ref, dw_ref = ref.rms_norm_backward(dy.double(), x.double(), w64, rstd.double(), offset)
+    dx, dw = triton_backend.backward(x, dy, w, rstd, offset, casting_mode)
+    dx_ref, dw_ref = ref.rms_norm_backward(x.double(), dy.double(), w64, rstd.double(), offset)
     assert rel_err(dx, dx_ref) <= TOL[dtype]
     assert (dw is None) == (w is None)
     if dw is not None:
@@ -141,7 +141,7 @@ def test_casting_modes_offset_and_no_weight(M, N, dtype, casting_mode, kind):
 def test_fused_add(M, N, dtype, mode):
     x, r = strided(M, N, dtype, seed=4), strided(M, N, dtype, seed=5, pad=1)
     w = (torch.rand(N, device=DEVICE) + 0.5).to(dtype)
-    y, res_out, rstd = ascend.fused_add_forward(x, r, w, EPS, mode, 0.0, "llama")
+    y, res_out, rstd = triton_backend.fused_add_forward(x, r, w, EPS, 0.0, "llama", mode=mode)
     y_ref, res_ref, rstd_ref = ref.fused_add_rms_norm_forward(x.double(), r.double(), w.double(), EPS, mode)
     assert rel_err(y, y_ref) <= TOL[dtype]
     assert rel_err(res_out, res_ref) <= TOL[dtype]
@@ -174,10 +174,10 @@ def test_backward_deterministic(M, N):
     """Two runs give bitwise-identical dx and dw (no atomics; fixed reduction order)."""
     x, dy = strided(M, N, torch.float32, seed=6), strided(M, N, torch.float32, seed=7)
     w = torch.randn(N, device=DEVICE)
-    rstd = ascend.forward(x, w, EPS, 0.0, "llama")[1]
-    first = ascend.backward(dy, x, w, rstd, 0.0, "llama")
+    rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")[1]
+    first = triton_backend.backward(x, dy, w, rstd, 0.0, "llama")
     for _ in range(3):
-        again = ascend.backward(dy, x, w, rstd, 0.0, "llama")
+        again = triton_backend.backward(x, dy, w, rstd, 0.0, "llama")
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
@@ -188,15 +188,15 @@ def test_forced_partitioned_path(monkeypatch):
     assert config.choose_path(M, N, torch.float32, "backward") == "partitioned"
     x, dy = strided(M, N, torch.float32, seed=8), strided(M, N, torch.float32, seed=9)
     w = torch.randn(N, device=DEVICE)
-    y, rstd = ascend.forward(x, w, EPS, 0.0, "llama")
+    y, rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")
     assert rel_err(y, ref.rms_norm_forward(x.double(), w.double(), EPS)[0]) <= TOL[torch.float32]
-    dx, dw = ascend.backward(dy, x, w, rstd, 0.0, "llama")
-    dx_ref, dw_ref = ref.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double(), 0.0)
+    dx, dw = triton_backend.backward(x, dy, w, rstd, 0.0, "llama")
+    dx_ref, dw_ref = ref.rms_norm_backward(x.double(), dy.double(), w.double(), rstd.double(), 0.0)
     assert rel_err(dx, dx_ref) <= TOL[torch.float32]
     assert rel_err(dw, dw_ref) <= TOL_DW[torch.float32]
 
 
 def test_empty_rows():
     x = torch.empty(0, 64, device=DEVICE)
-    y, rstd = ascend.forward(x, None, EPS, 0.0, "llama")
+    y, rstd = triton_backend.forward(x, None, EPS, 0.0, "llama")
     assert y.shape == (0, 64) and rstd.shape == (0,)

@@ -3,7 +3,7 @@
 ``TRITON_INTERPRET=1`` is set before anything imports the kernels module (Triton decides between
 compiling and interpreting when a kernel is decorated). On a host with CUDA the module runs only
 when ``TRITON_INTERPRET=1`` is set explicitly, so that a plain ``pytest`` there compiles the kernels
-for the GPU tests in test_ascend_triton_gpu.py. Results are compared against
+for the GPU tests in test_triton_gpu.py. Results are compared against
 :mod:`tilegym_rms.reference` in float64. Shapes are kept small: the interpreter is slow.
 """
 
@@ -19,7 +19,7 @@ if "TRITON_INTERPRET" not in os.environ:
         # kernel of this pytest run into an interpreted one, including the GPU tests.
         pytest.skip(
             "GPU host: the interpreter tests run only with TRITON_INTERPRET=1 set explicitly "
-            "(e.g. TRITON_INTERPRET=1 pytest tests/test_ascend_triton.py)",
+            "(e.g. TRITON_INTERPRET=1 pytest tests/test_triton_interpreter.py)",
             allow_module_level=True,
         )
     os.environ["TRITON_INTERPRET"] = "1"
@@ -37,15 +37,15 @@ pytest.importorskip("numpy", reason="the Triton interpreter needs numpy")
 
 from tilegym_rms import experimental  # noqa: E402
 from tilegym_rms import reference as ref  # noqa: E402
-from tilegym_rms.ascend import config  # noqa: E402
+from tilegym_rms.triton import config  # noqa: E402
 
 if not config.interpreter_enabled():
     pytest.skip("TRITON_INTERPRET is set to something other than 1", allow_module_level=True)
 
 import tilegym_rms  # noqa: E402
-import tilegym_rms.ascend as ascend  # noqa: E402
-from tilegym_rms.ascend import kernels  # noqa: E402
-from tilegym_rms.ascend import launch as launch_mod  # noqa: E402
+import tilegym_rms.triton as triton_backend  # noqa: E402
+from tilegym_rms.triton import kernels  # noqa: E402
+from tilegym_rms.triton import launch as launch_mod  # noqa: E402
 
 if type(kernels.rms_norm_fwd_kernel).__name__ != "InterpretedFunction":
     pytest.skip("the kernels were compiled before TRITON_INTERPRET was set", allow_module_level=True)
@@ -200,9 +200,9 @@ def test_launch_uses_choose_path(ub, launches, M, N, ub_bytes):
     """The launch code takes the path choose_path names, for every op; grid and dw buffer agree."""
     ub(ub_bytes)
     x, w = strided(M, N), rand(N)
-    y, rstd = ascend.forward(x, w, EPS, 0.0, "llama")
-    ascend.fused_add_forward(x, rand(M, N), w, EPS, "pre", 0.0, "llama")
-    ascend.backward(rand(M, N), x, w, rstd, 0.0, "llama")
+    y, rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")
+    triton_backend.fused_add_forward(x, rand(M, N), w, EPS, 0.0, "llama", mode="pre")
+    triton_backend.backward(x, rand(M, N), w, rstd, 0.0, "llama")
     (fwd, fused, bwd, reduce) = launches
     for (kernel, grid, _args, flags), op in zip((fwd, fused, bwd), ("forward", "fused_add", "backward"), strict=True):
         path = config.choose_path(M, N, x.dtype, op)
@@ -218,7 +218,7 @@ def test_launch_uses_choose_path(ub, launches, M, N, ub_bytes):
     partial = bwd[2][5]
     assert partial.shape == (bwd[1][0], N) and partial.dtype == torch.float32, "grid x N fp32 dw partials"
     assert reduce[0] is kernels.rms_norm_dw_reduce_kernel and reduce[2][0] is partial
-    assert ascend.backward_workspace_bytes(M, N, x.dtype, x.device) == partial.numel() * 4
+    assert triton_backend.backward_workspace_bytes(M, N, x.dtype, x.device) == partial.numel() * 4
 
 
 @pytest.mark.parametrize("path", config.PATHS)
@@ -226,7 +226,7 @@ def test_forward_forced_path(ub, launches, path):
     """``mode=`` forces a path (the dispatcher's forward contract); the result does not change."""
     M, N = 37, 123
     x, w = strided(M, N), rand(N)
-    y, rstd = ascend.forward(x, w, EPS, 1.0, "gemma", mode=path)
+    y, rstd = triton_backend.forward(x, w, EPS, 1.0, "gemma", kernel=path)
     kernel, _, _, flags = launches[-1]
     if path == "partitioned":
         assert kernel is kernels.rms_norm_fwd_partitioned_kernel
@@ -237,7 +237,7 @@ def test_forward_forced_path(ub, launches, path):
     ub(UB_TINY)
     if path != "partitioned":
         with pytest.raises(ValueError, match="whole row"):
-            ascend.forward(x, w, EPS, 1.0, "gemma", mode=path)
+            triton_backend.forward(x, w, EPS, 1.0, "gemma", kernel=path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def test_forward_fp32(ub, M, N, ub_bytes, path, casting_mode):
     # Cycle the weight kinds over the casting modes to cover offset 1 and weight None cheaply.
     kind = {"llama": "w", "gemma": "w+1", "none": "none"}[casting_mode]
     w, offset = weight_for(N, kind)
-    y, rstd = ascend.forward(x, w, EPS, offset, casting_mode)
+    y, rstd = triton_backend.forward(x, w, EPS, offset, casting_mode)
     y_ref, rstd_ref = ref.rms_norm_forward(x.double(), None if w is None else w.double(), EPS, offset, casting_mode)
     assert y.shape == (M, N) and y.is_contiguous() and y.dtype == x.dtype
     assert rstd.shape == (M,) and rstd.dtype == torch.float32
@@ -268,7 +268,7 @@ def test_forward_weight_kinds_llama(ub, M, N, ub_bytes, path, kind):
     ub(ub_bytes)
     x = strided(M, N)
     w, offset = weight_for(N, kind)
-    y, _ = ascend.forward(x, w, EPS, offset, "llama")
+    y, _ = triton_backend.forward(x, w, EPS, offset, "llama")
     y_ref, _ = ref.rms_norm_forward(x.double(), None if w is None else w.double(), EPS, offset, "llama")
     assert rel_err(y, y_ref) <= TOL_FP32
 
@@ -282,7 +282,7 @@ def test_forward_fp16_matches_casting_mode(ub, M, N, ub_bytes, casting_mode):
     ub(ub_bytes)
     x = strided(M, N, torch.float16)
     w, offset = rand(N, dtype=torch.float32, seed=3), 1.0  # weight dtype may differ from x
-    y, rstd = ascend.forward(x, w, EPS, offset, casting_mode)
+    y, rstd = triton_backend.forward(x, w, EPS, offset, casting_mode)
     y_ref, rstd_ref = ref.rms_norm_forward(x, w, EPS, offset, casting_mode)
     assert y.dtype == torch.float16
     if casting_mode == "none":
@@ -316,8 +316,8 @@ def test_forward_bf16_casting_modes(ub, launches, ub_bytes):
     x, w = strided(7, 123, torch.bfloat16), rand(123, dtype=torch.bfloat16, seed=3)
     ys, refs = {}, {}
     for casting_mode in ref.CASTING_MODES:
-        y, rstd = ascend.forward(x, w, EPS, 1.0, casting_mode)
-        assert launches[-1][3]["CASTING"] == kernels.CASTING_IDS[casting_mode]
+        y, rstd = triton_backend.forward(x, w, EPS, 1.0, casting_mode)
+        assert launches[-1][3]["CASTING"] == ref.CASTING_CODES[casting_mode]
         y_ref, rstd_ref = ref.rms_norm_forward(x, w, EPS, 1.0, casting_mode)
         ys[casting_mode], refs[casting_mode] = y, y_ref
         assert y.dtype == torch.bfloat16 and rstd.dtype == torch.float32
@@ -335,11 +335,11 @@ def test_forward_bf16_casting_modes(ub, launches, ub_bytes):
 
 def test_forward_store_rstd_false(ub):
     x, w = strided(7, 123), rand(123)
-    y, rstd = ascend.forward(x, w, EPS, 0.0, "llama", store_rstd=False)
+    y, rstd = triton_backend.forward(x, w, EPS, 0.0, "llama", store_rstd=False)
     assert rstd is None
-    assert torch.equal(y, ascend.forward(x, w, EPS, 0.0, "llama")[0])
+    assert torch.equal(y, triton_backend.forward(x, w, EPS, 0.0, "llama")[0])
     ub(UB_TINY)
-    y, rstd = ascend.forward(x, w, EPS, 0.0, "gemma", store_rstd=False)
+    y, rstd = triton_backend.forward(x, w, EPS, 0.0, "gemma", store_rstd=False)
     assert rstd is None
     assert rel_err(y, ref.rms_norm_forward(x.double(), w.double(), EPS, 0.0, "gemma")[0]) <= TOL_FP32
 
@@ -358,8 +358,8 @@ def test_backward_fp32(ub, M, N, ub_bytes, path, kind):
     w, offset = weight_for(N, kind)
     w64 = None if w is None else w.double()
     _, rstd = ref.rms_norm_forward(x, w, EPS, offset, "llama")
-    dx, dw = ascend.backward(dy, x, w, rstd, offset, "llama")
-    dx_ref, dw_ref = ref.rms_norm_backward(dy.double(), x.double(), w64, rstd.double(), offset)
+    dx, dw = triton_backend.backward(x, dy, w, rstd, offset, "llama")
+    dx_ref, dw_ref = ref.rms_norm_backward(x.double(), dy.double(), w64, rstd.double(), offset)
     assert dx.shape == (M, N) and dx.is_contiguous() and dx.dtype == x.dtype
     # dx = rstd*(g - x^*mean(x^*g)) cancels to ~0 when N == 1; measure against the scale of rstd*g.
     g = dy.double() if w is None else dy.double() * (w64 + offset)
@@ -377,10 +377,10 @@ def test_backward_deterministic_and_casting_independent(ub, ub_bytes):
     ub(ub_bytes)
     M, N = 37, 123
     x, dy, w = strided(M, N), rand(M, N), rand(N)
-    rstd = ascend.forward(x, w, EPS, 0.0, "llama")[1]
-    dx0, dw0 = ascend.backward(dy, x, w, rstd, 0.0, "llama")
+    rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")[1]
+    dx0, dw0 = triton_backend.backward(x, dy, w, rstd, 0.0, "llama")
     for mode in ref.CASTING_MODES:
-        dx, dw = ascend.backward(dy, x, w, rstd, 0.0, mode)
+        dx, dw = triton_backend.backward(x, dy, w, rstd, 0.0, mode)
         assert torch.equal(dx, dx0) and torch.equal(dw, dw0), "bitwise identical on every run"
 
 
@@ -390,9 +390,9 @@ def test_backward_low_precision(ub, ub_bytes):
     M, N = 9, 123
     x, dy = strided(M, N, torch.bfloat16), rand(M, N, dtype=torch.bfloat16)
     w = rand(N, dtype=torch.float16, seed=4)
-    rstd = ascend.forward(x, w, EPS, 0.0, "llama")[1]
-    dx, dw = ascend.backward(dy, x, w, rstd, 0.0, "llama")
-    dx_ref, dw_ref = ref.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double(), 0.0)
+    rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")[1]
+    dx, dw = triton_backend.backward(x, dy, w, rstd, 0.0, "llama")
+    dx_ref, dw_ref = ref.rms_norm_backward(x.double(), dy.double(), w.double(), rstd.double(), 0.0)
     assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float16
     assert rel_err(dx, dx_ref) <= 1e-2
     assert rel_err(dw, dw_ref) <= 1e-2
@@ -410,7 +410,7 @@ def test_fused_add_fp32(ub, M, N, ub_bytes, path, mode):
     casting_mode = "gemma" if mode == "pre" else "llama"
     x, r = strided(M, N), strided(M, N, pad=1, seed=5)
     w, offset = weight_for(N, "w+1" if mode == "pre" else "w")
-    y, res_out, rstd = ascend.fused_add_forward(x, r, w, EPS, mode, offset, casting_mode)
+    y, res_out, rstd = triton_backend.fused_add_forward(x, r, w, EPS, offset, casting_mode, mode=mode)
     y_ref, res_ref, rstd_ref = ref.fused_add_rms_norm_forward(
         x.double(), r.double(), w.double(), EPS, mode, offset, casting_mode
     )
@@ -449,7 +449,7 @@ def test_fused_add_fp16_no_weight_no_rstd(ub, ub_bytes, mode):
     ub(ub_bytes)
     M, N = 7, 123
     x, r = strided(M, N, torch.float16), rand(M, N, dtype=torch.float16)
-    y, res_out, rstd = ascend.fused_add_forward(x, r, None, EPS, mode, 0.0, "llama", store_rstd=False)
+    y, res_out, rstd = triton_backend.fused_add_forward(x, r, None, EPS, 0.0, "llama", mode=mode, store_rstd=False)
     y_ref, res_ref, _ = ref.fused_add_rms_norm_forward(x, r, None, EPS, mode, 0.0, "llama")
     assert rstd is None
     assert (y != y_ref).double().mean().item() <= 0.01
@@ -465,13 +465,13 @@ def test_fused_add_fp16_no_weight_no_rstd(ub, ub_bytes, mode):
 
 def test_empty_rows_launch_nothing(launches):
     x, w = torch.empty(0, 16), rand(16)
-    y, rstd = ascend.forward(x, w, EPS, 0.0, "llama")
+    y, rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")
     assert y.shape == (0, 16) and rstd.shape == (0,)
-    y, res_out, rstd = ascend.fused_add_forward(x, x, w, EPS, "pre", 0.0, "llama", store_rstd=False)
+    y, res_out, rstd = triton_backend.fused_add_forward(x, x, w, EPS, 0.0, "llama", mode="pre", store_rstd=False)
     assert y.shape == res_out.shape == (0, 16) and rstd is None
-    dx, dw = ascend.backward(x, x, w, torch.empty(0), 0.0, "llama")
+    dx, dw = triton_backend.backward(x, x, w, torch.empty(0), 0.0, "llama")
     assert dx.shape == (0, 16) and torch.equal(dw, torch.zeros(16))
-    assert ascend.backward(x, x, None, torch.empty(0), 0.0, "llama")[1] is None
+    assert triton_backend.backward(x, x, None, torch.empty(0), 0.0, "llama")[1] is None
     assert launches == []
 
 
@@ -491,8 +491,8 @@ def test_no_experimental_warning_on_cpu(monkeypatch):
     x, w = strided(5, 32), rand(32)
     with warnings.catch_warnings():
         warnings.simplefilter("error", experimental.ExperimentalKernelWarning)
-        _, rstd = ascend.forward(x, w, EPS, 0.0, "llama")
-        ascend.backward(rand(5, 32), x, w, rstd, 0.0, "llama")
+        _, rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")
+        triton_backend.backward(x, rand(5, 32), w, rstd, 0.0, "llama")
     assert [k for k, _ in notified] == [
         kernels.rms_norm_fwd_kernel,
         kernels.rms_norm_bwd_kernel,
@@ -517,12 +517,12 @@ def test_launch_helper_warns_for_npu_launches(monkeypatch):
 
 
 def test_available():
-    assert ascend.available(torch.device("cpu")) == (True, "")
+    assert triton_backend.available(torch.device("cpu")) == (True, "")
 
 
 def test_available_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    ok, why = ascend.available(torch.device("cpu"))
+    ok, why = triton_backend.available(torch.device("cpu"))
     assert not ok and "TRITON_INTERPRET=1" in why
 
 
@@ -530,10 +530,10 @@ def test_import_without_triton():
     """Importing the package must not need triton; available() says what is missing."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, tilegym_rms.ascend as a\n"
+        "import torch, tilegym_rms.triton as a\n"
         "print(a.available(torch.device('cpu')))\n"
         "print(a.choose_path(8, 64, torch.float32))\n"
-        "assert 'tilegym_rms.ascend.kernels' not in sys.modules\n"
+        "assert 'tilegym_rms.triton.kernels' not in sys.modules\n"
     )
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}

@@ -8,22 +8,23 @@ from . import reference
 from ._checks import KERNEL_DTYPES
 
 SUPPORTED_DTYPES = (*KERNEL_DTYPES, torch.float64)
+FORWARD_KERNELS = ()  # one code path: no kernel to choose
 
 
 def available(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None):
-    del store_rstd, mode  # the reference always returns rstd and has one code path
+def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, kernel=None):
+    del store_rstd, kernel  # the reference always returns rstd and has one code path
     return reference.rms_norm_forward(x, weight, eps, offset, casting_mode)
 
 
-def backward(dy, x, weight, rstd, offset, casting_mode):
-    return reference.rms_norm_backward(dy, x, weight, rstd, offset, casting_mode)
+def backward(x, dy, weight, rstd, offset, casting_mode):
+    return reference.rms_norm_backward(x, dy, weight, rstd, offset, casting_mode)
 
 
-def fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, *, store_rstd=True):
+def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, store_rstd=True):
     del store_rstd
     return reference.fused_add_rms_norm_forward(x, residual, weight, eps, mode, offset, casting_mode)
 

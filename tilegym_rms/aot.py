@@ -25,7 +25,7 @@ ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
 # tile (chunked kernels).
 REPRESENTATIVE_N = (64, 1000, 4096, 5120, 8192, 12288, 16384, 32768, 65536)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Large and small M reach both forward modes; SM count of an H100 (the heuristics scale with it).
+# Large and small M reach both forward kernels; SM count of an H100 (the heuristics scale with it).
 REPRESENTATIVE_M = (128, 65536)
 REFERENCE_SMS = 132
 
@@ -56,27 +56,32 @@ _F32 = torch.float32
 
 
 def variants_for(
-    m: int, n: int, dtype, num_sms: int = REFERENCE_SMS, modes=(None, *config.FORWARD_MODES), every_path: bool = True
+    m: int,
+    n: int,
+    dtype,
+    num_sms: int = REFERENCE_SMS,
+    kernels=(None, *config.FORWARD_KERNELS),
+    every_path: bool = True,
 ) -> list[Variant]:
     """The kernel variants the dispatcher launches for an ``(m, n)`` input of ``dtype`` (forward in each of
-    ``modes``, backward and the dw reduction): with ``every_path``, every casting mode, the no-weight and
+    ``kernels``, backward and the dw reduction): with ``every_path``, every casting mode, the no-weight and
     the no-rstd variants on bf16; otherwise only a training call's (llama casting, weight, rstd stored)."""
     found: dict[Variant, None] = {}
 
     def add(name, *params, hints=()):
         found.setdefault(Variant(name, params, hints), None)
 
-    for mode in modes:
+    for kernel in kernels:
         try:
-            f = config.forward_config(m, n, dtype, num_sms, mode)
+            f = config.forward_config(m, n, dtype, num_sms, kernel)
         except ValueError:
-            continue  # mode not available for this N
+            continue  # kernel not available for this N
         # Casting modes and the no-weight variant on fp32 weights; weight dtype = x dtype.
         for cast, has_w in ((0, True), (1, True), (2, True), (0, False)):
             if (dtype != torch.bfloat16 or not every_path) and (cast, has_w) != (0, True):
                 continue  # the cast / no-weight axes are covered once, on bf16
             x2, w1 = _arr(dtype, 2), _arr(dtype, 1)
-            if f.mode == "persistent":
+            if f.kernel == "persistent":
                 args = (x2, w1, x2, _arr(_F32, 1), _S, _S, f.tile_m, f.tile_n, f.tail_n, cast, has_w)
                 add("rms_norm_fwd_persistent", *args, hints=f.hints)
                 continue
@@ -87,11 +92,11 @@ def variants_for(
     b = config.backward_config(m, n, dtype, num_sms)
     for has_w in (True, False) if every_path else (True,):
         x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
-        if b.mode == "direct":
+        if b.plan == "direct":
             args = (x2, x2, w1, r1, x2, w1, _S, b.tile_m, b.tile_n, b.strip_n, b.strip_m, has_w)
             add("rms_norm_bwd_direct", *args, hints=b.hints)
             continue  # no partial buffer, no reduction
-        if b.mode == "fused":
+        if b.plan == "persistent":
             args = (x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, b.tail_n, has_w)
             add("rms_norm_bwd_persistent", *args, hints=b.hints)
         else:
@@ -99,7 +104,7 @@ def variants_for(
             add("rms_norm_bwd_row_dot", *args, hints=b.hints)
             args = (x2, x2, w1, r1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, has_w)
             add("rms_norm_bwd_column_chunk", *args, hints=b.hints)
-    if b.mode != "direct":
+    if b.plan != "direct":
         red = config.reduce_config(n, num_sms)
         add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)
     return list(found)

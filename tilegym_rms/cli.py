@@ -81,7 +81,7 @@ def _check_one(backend: str, device: torch.device, dtype: torch.dtype, m: int, n
     y, rstd = rms_norm_forward(x, w, backend=backend)
     dx, dw = rms_norm_backward(x, dy, w, rstd, backend=backend)
     y_ref, r_ref = reference.rms_norm_forward(x.double(), w.double(), 1e-6)
-    dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), r_ref)
+    dx_ref, dw_ref = reference.rms_norm_backward(x.double(), dy.double(), w.double(), r_ref)
     errs = {"y": _rel(y, y_ref), "dx": _rel(dx, dx_ref), "dw": _rel(dw, dw_ref)}
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     ok = errs["y"] <= tol and errs["dx"] <= tol and errs["dw"] <= 1e-2

@@ -1,12 +1,7 @@
-"""Backend registry and selection.
+"""Backend registry and selection, and the contract every backend module satisfies.
 
-A backend is a module with this contract (``x``/``dy``: 2-D ``(M, N)``, last dim dense, any row
-stride; ``weight``: None or dense ``(N,)``; ``rstd``: fp32 ``(M,)``):
-
-* ``available(device) -> (ok, reason)``
-* ``forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, [mode=None]) -> (y, rstd)``
-* ``backward(dy, x, weight, rstd, offset, casting_mode) -> (dx, dw or None)``
-* ``SUPPORTED_DTYPES``; optionally ``fused_add_forward(...)`` and ``backward_workspace_bytes(...)``
+A backend is a module satisfying :class:`Backend` (checked by ``tests/test_api.py``), plus, where it
+has them, the optional capabilities :class:`FusedAddBackend` and :class:`WorkspaceBackend`.
 
 Selection (``backend=None``): ``TILEGYM_RMS_BACKEND`` if set; else by device: ``npu`` -> triton
 (triton-ascend), ``cuda`` -> cutile where it can run, else triton, else torch; ``cpu`` -> torch.
@@ -16,12 +11,51 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import Protocol, runtime_checkable
 
 import torch
 
+
+@runtime_checkable
+class Backend(Protocol):
+    """What :mod:`tilegym_rms.ops` calls. Tensors arrive as 2-D ``(M, N)`` views with a dense last dim
+    (any row stride), never empty; ``weight`` is None or a dense ``(N,)`` tensor of any floating
+    dtype; ``rstd`` is ``(M,)`` in :func:`tilegym_rms.reference.compute_dtype` of ``x``."""
+
+    SUPPORTED_DTYPES: tuple[torch.dtype, ...]
+    FORWARD_KERNELS: tuple[str, ...]  # values ``kernel=`` may force; empty: one code path
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        """Whether the backend can run on ``device``, and if not, why."""
+
+    def forward(self, x, weight, eps: float, offset: float, casting_mode: str, *, store_rstd=True, kernel=None):
+        """``(y, rstd)``: ``y`` contiguous in x's dtype; ``rstd`` None unless ``store_rstd``."""
+
+    def backward(self, x, dy, weight, rstd, offset: float, casting_mode: str):
+        """``(dx, dw)``: ``dx`` in x's dtype, ``dw`` in the weight's dtype, or None without a weight."""
+
+
+@runtime_checkable
+class FusedAddBackend(Protocol):
+    """Optional: a fused residual add (else :mod:`tilegym_rms.ops` adds in torch, then normalizes)."""
+
+    def fused_add_forward(self, x, residual, weight, eps: float, offset: float, casting_mode: str, *, mode: str,
+                          store_rstd=True):  # fmt: skip
+        """``(y, residual_out, rstd)`` for ``s = x + residual`` (same dtype); ``residual_out`` is ``s``
+        (mode "pre") or ``y`` (mode "post")."""
+
+
+@runtime_checkable
+class WorkspaceBackend(Protocol):
+    """Optional: the bytes of temporary memory the backward allocates (0 when absent)."""
+
+    def backward_workspace_bytes(self, m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
+        """Bytes the backward of an ``(m, n)`` input allocates besides its outputs."""
+
+
 BACKENDS = ("cutile", "triton", "torch")
 BACKEND_ENV = "TILEGYM_RMS_BACKEND"
-_MODULES = {"cutile": "tilegym_rms.cutile", "triton": "tilegym_rms.ascend", "torch": "tilegym_rms._torch_backend"}
+_MODULES = {"cutile": "tilegym_rms.cutile", "triton": "tilegym_rms.triton", "torch": "tilegym_rms._torch_backend"}
 _AUTO_ORDER = {"cuda": ("cutile", "triton", "torch"), "npu": ("triton",), "cpu": ("torch",)}
 
 _resolved: dict[tuple, str] = {}

@@ -1,7 +1,7 @@
 """``@experimental_kernel``: marks kernels not yet validated on every target GPU or NPU.
 
 Marking registers the kernel object and returns it unchanged. Every launch in the package goes
-through a launch helper (``tilegym_rms.cutile.launch``, ``tilegym_rms.ascend.launch``) that calls
+through a launch helper (``tilegym_rms.cutile.launch``, ``tilegym_rms.triton.launch``) that calls
 :func:`notify_launch`; the first launch of each marked kernel in a process emits one
 :class:`ExperimentalKernelWarning` naming it. ``TILEGYM_RMS_SILENCE_EXPERIMENTAL=1`` silences it.
 """

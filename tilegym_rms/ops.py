@@ -49,23 +49,33 @@ def _empty_forward(x, eps, casting_mode, store_rstd):
     return y, (reference.rms_norm_forward(x, None, eps, 0.0, casting_mode)[1] if store_rstd else None)
 
 
-def _forward(x, weight, eps, offset, casting_mode, backend, mode=None, store_rstd=True):
+def _check_kernel(module, name: str, kernel) -> None:
+    if kernel not in module.FORWARD_KERNELS:
+        if not module.FORWARD_KERNELS:
+            raise ValueError(f"backend {name!r} has one forward kernel: kernel must be None, got {kernel!r}")
+        choices = ", ".join(map(repr, module.FORWARD_KERNELS))
+        raise ValueError(f"backend {name!r} has the forward kernels {choices}: got kernel={kernel!r}")
+
+
+def _forward(x, weight, eps, offset, casting_mode, backend, kernel=None, store_rstd=True):
     """``(y, rstd)`` with ``y`` shaped like ``x`` and ``rstd`` shaped ``x.shape[:-1]`` (or None
     when not ``store_rstd``: no backward will follow)."""
     module = _backend(x, backend)
+    if kernel is not None:
+        _check_kernel(module, backend, kernel)
     if x.numel() == 0:
         return _empty_forward(x, eps, casting_mode, store_rstd)
     x2, w = _rows(x, x.shape[-1]), _dense_weight(weight)
-    if mode is None:  # only the cutile backend takes a mode
+    if kernel is None:  # the common call, without the keyword
         y, rstd = module.forward(x2, w, eps, offset, casting_mode, store_rstd=store_rstd)
     else:
-        y, rstd = module.forward(x2, w, eps, offset, casting_mode, store_rstd=store_rstd, mode=mode)
+        y, rstd = module.forward(x2, w, eps, offset, casting_mode, store_rstd=store_rstd, kernel=kernel)
     if x2 is x:
         return y, rstd
     return y.view(x.shape), (rstd.view(x.shape[:-1]) if rstd is not None else None)
 
 
-def _backward(dy, x, weight, rstd, offset, casting_mode, backend):
+def _backward(x, dy, weight, rstd, offset, casting_mode, backend):
     module = _backend(x, backend)
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format), (
@@ -73,7 +83,7 @@ def _backward(dy, x, weight, rstd, offset, casting_mode, backend):
         )
     n = x.shape[-1]
     rows = rstd if rstd.dim() == 1 else rstd.reshape(-1)
-    dx, dw = module.backward(_rows(dy, n), _rows(x, n), _dense_weight(weight), rows, offset, casting_mode)
+    dx, dw = module.backward(_rows(x, n), _rows(dy, n), _dense_weight(weight), rows, offset, casting_mode)
     return (dx if x.dim() == 2 else dx.view(x.shape)), dw
 
 
@@ -89,8 +99,8 @@ class RMSNormFunction(torch.autograd.Function):
     differentiable torch math instead of the kernels, so that double backward is exact."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting_mode, backend, mode):
-        y, rstd = _forward(x, weight, eps, offset, casting_mode, backend, mode)
+    def forward(ctx, x, weight, eps, offset, casting_mode, backend, kernel):
+        y, rstd = _forward(x, weight, eps, offset, casting_mode, backend, kernel)
         ctx.save_for_backward(x, weight, rstd)
         ctx.config = (offset, casting_mode, backend)
         ctx.eps = eps
@@ -100,9 +110,9 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         if torch.is_grad_enabled():
-            dx, dw = reference.rms_norm_backward_differentiable(dy, x, weight, rstd, ctx.eps, ctx.config[0])
+            dx, dw = reference.rms_norm_backward_differentiable(x, dy, weight, rstd, ctx.eps, ctx.config[0])
         else:
-            dx, dw = _backward(dy, x, weight, rstd, *ctx.config)
+            dx, dw = _backward(x, dy, weight, rstd, *ctx.config)
         return dx, dw, None, None, None, None, None
 
 
@@ -119,47 +129,47 @@ def _rms_norm_fwd_op(
     offset: float,
     casting_mode: str,
     backend: str,
-    mode: Optional[str],
+    kernel: Optional[str],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(x, weight, eps, offset, casting_mode, backend, mode)
+    return _forward(x, weight, eps, offset, casting_mode, backend, kernel)
 
 
 @_rms_norm_fwd_op.register_fake
-def _(x, weight, eps, offset, casting_mode, backend, mode):
+def _(x, weight, eps, offset, casting_mode, backend, kernel):
     rstd_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), x.new_empty(x.shape[:-1], dtype=rstd_dtype)
 
 
 @torch.library.custom_op("tilegym_rms::rms_norm_bwd", mutates_args=())
 def _rms_norm_bwd_op(
-    dy: torch.Tensor,
     x: torch.Tensor,
+    dy: torch.Tensor,
     weight: Optional[torch.Tensor],
     rstd: torch.Tensor,
     offset: float,
     casting_mode: str,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = _backward(dy, x, weight, rstd, offset, casting_mode, backend)
+    dx, dw = _backward(x, dy, weight, rstd, offset, casting_mode, backend)
     # A custom op cannot return None: without a weight, dw is an empty tensor.
     return dx, dw if dw is not None else x.new_empty((0,))
 
 
 @_rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd, offset, casting_mode, backend):
+def _(x, dy, weight, rstd, offset, casting_mode, backend):
     dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw
 
 
 def _fwd_op_setup_context(ctx, inputs, output):
-    x, weight, _eps, offset, casting_mode, backend, _mode = inputs
+    x, weight, _eps, offset, casting_mode, backend, _kernel = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.config = (offset, casting_mode, backend)
 
 
 def _fwd_op_backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, *ctx.config)
+    dx, dw = _rms_norm_bwd_op(x, dy, weight, rstd, *ctx.config)
     return dx, (dw if weight is not None else None), None, None, None, None, None
 
 
@@ -171,7 +181,7 @@ _rms_norm_fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup
 # ----------------------------------------------------------------------------------------------
 
 
-def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None, mode=None):
+def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None, kernel=None):
     """RMSNorm over the last dim of ``x``: ``y = x * rstd * (offset + weight)``,
     ``rstd = 1 / sqrt(mean(x^2) + eps)``. Differentiable in ``x`` and ``weight``.
 
@@ -184,7 +194,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
         casting_mode: ``"llama"``, ``"gemma"`` or ``"none"``; see :mod:`tilegym_rms.reference`.
         backend: ``"cutile"``, ``"triton"``, ``"torch"`` or None (choose; ``TILEGYM_RMS_BACKEND``
             overrides the choice).
-        mode: forward kernel of the cutile backend (``"gather"`` / ``"persistent"``); None chooses.
+        kernel: force a forward kernel of the backend (cutile: ``"gather"`` / ``"persistent"``; triton:
+            ``"block"`` / ``"block_row"`` / ``"partitioned"``); None chooses. Other values raise.
 
     Returns:
         ``y``, with the shape and dtype of ``x``. Empty inputs (any dim 0) give empty outputs.
@@ -198,20 +209,20 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
         # DTensor runs the op on local shards by its sharding rules, which must exist before a traced
         # call meets one (register() is a constant of the trace: it runs once while Dynamo traces).
         _dtensor.register()
-        return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, name, mode)[0]
+        return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, name, kernel)[0]
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-        return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, name, mode)
-    return _forward(x, weight, eps, offset, casting_mode, name, mode, store_rstd=False)[0]
+        return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, name, kernel)
+    return _forward(x, weight, eps, offset, casting_mode, name, kernel, store_rstd=False)[0]
 
 
-def rms_norm_forward(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None, mode=None):
+def rms_norm_forward(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None, kernel=None):
     """Forward without autograd: returns ``(y, rstd)``, ``rstd`` fp32 of shape ``x.shape[:-1]``
     (what :func:`rms_norm_backward` takes; fp64 for fp64 ``x``). Arguments as :func:`rms_norm`."""
     eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
     with torch.no_grad():
         if type(x) is not torch.Tensor and _dtensor.is_dtensor(x):  # local shards, as in rms_norm
-            return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), mode)
-        return _forward(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), mode)
+            return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), kernel)
+        return _forward(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), kernel)
 
 
 def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode="llama", backend=None):
@@ -225,8 +236,8 @@ def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode="llama", 
     with torch.no_grad():
         if type(x) is not torch.Tensor and _dtensor.is_dtensor(x):  # local shards, as in rms_norm
             name = resolve_backend(x.device, backend)
-            return _bwd_op_with_optional_dw(dy, x, weight, rstd, offset, casting_mode, name)
-        return _backward(dy, x, weight, rstd, offset, casting_mode, resolve_backend(x.device, backend))
+            return _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, name)
+        return _backward(x, dy, weight, rstd, offset, casting_mode, resolve_backend(x.device, backend))
 
 
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, backend: str, device=None) -> int:
@@ -248,7 +259,7 @@ def _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, bac
     fused = getattr(module, "fused_add_forward", None)
     if fused is not None and residual.dtype == x.dtype and x.numel() > 0:
         n, w = x.shape[-1], _dense_weight(weight)
-        y, res_out, rstd = fused(_rows(x, n), _rows(residual, n), w, eps, mode, offset, casting_mode)
+        y, res_out, rstd = fused(_rows(x, n), _rows(residual, n), w, eps, offset, casting_mode, mode=mode)
         return y.view(x.shape), (res_out.view(x.shape) if mode == "pre" else None), rstd.view(x.shape[:-1])
     # No fused kernel for this backend or dtype pair: the add in torch, the norm in the backend.
     s = reference.fused_add_sum(x, residual)
@@ -270,7 +281,7 @@ def _fused_add_backward(norm_backward, a, b, weight, rstd, mode, offset, casting
         dy = torch.zeros_like(s)
     if mode == "post" and dres is not None:
         dy = dy + dres  # residual_out is y: its gradient flows into the norm too
-    ds, dw = norm_backward(dy.to(s.dtype), s, weight, rstd, offset, casting_mode, backend)
+    ds, dw = norm_backward(s, dy.to(s.dtype), weight, rstd, offset, casting_mode, backend)
     if mode == "pre" and dres is not None:
         ds = ds + dres
     return ds, dw
@@ -279,8 +290,8 @@ def _fused_add_backward(norm_backward, a, b, weight, rstd, mode, offset, casting
 def _differentiable_norm_backward(eps):
     """A ``norm_backward`` for :func:`_fused_add_backward` that autograd can differentiate again."""
 
-    def norm_backward(dy, s, weight, rstd, offset, casting_mode, backend):
-        return reference.rms_norm_backward_differentiable(dy, s, weight, rstd, eps, offset)
+    def norm_backward(s, dy, weight, rstd, offset, casting_mode, backend):
+        return reference.rms_norm_backward_differentiable(s, dy, weight, rstd, eps, offset)
 
     return norm_backward
 
@@ -335,8 +346,8 @@ def _fused_op_setup_context(ctx, inputs, output):
     ctx.x_dtype = x.dtype
 
 
-def _bwd_op_with_optional_dw(dy, x, weight, rstd, offset, casting_mode, backend):
-    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd, offset, casting_mode, backend)
+def _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, backend):
+    dx, dw = _rms_norm_bwd_op(x, dy, weight, rstd, offset, casting_mode, backend)
     return dx, (dw if weight is not None else None)
 
 

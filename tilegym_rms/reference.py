@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 
 CASTING_MODES = ("llama", "gemma", "none")
+# Each casting mode as the compile-time integer the kernels of every backend take.
+CASTING_CODES = {mode: code for code, mode in enumerate(CASTING_MODES)}
 FUSED_ADD_MODES = ("pre", "post")
 
 
@@ -74,7 +76,7 @@ def rms_norm_forward(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama")
     return y, rstd.squeeze(-1)
 
 
-def rms_norm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama"):
+def rms_norm_backward(x, dy, weight, rstd, offset=0.0, casting_mode="llama"):
     """Returns ``(dx, dw)`` for ``y = rms_norm(x)``; ``dw`` is None when ``weight`` is None.
 
     ``dx = rstd * (w~ * dy - x^ * mean(x^ * w~ * dy))`` with ``x^ = x * rstd``, ``w~ = offset + w``;
@@ -95,7 +97,7 @@ def rms_norm_backward(dy, x, weight, rstd, offset=0.0, casting_mode="llama"):
     return dx.to(x.dtype), dw
 
 
-def rms_norm_backward_differentiable(dy, x, weight, rstd, eps, offset=0.0):
+def rms_norm_backward_differentiable(x, dy, weight, rstd, eps, offset=0.0):
     """:func:`rms_norm_backward` as a function of ``x`` that autograd can differentiate again.
 
     The kernels and the saved ``rstd`` are constants to autograd; here ``rstd`` is recomputed from
@@ -105,7 +107,7 @@ def rms_norm_backward_differentiable(dy, x, weight, rstd, eps, offset=0.0):
     acc = compute_dtype(x.dtype)
     live = torch.rsqrt(_mean_square(x.to(acc)) + eps).squeeze(-1)
     r = live + (rstd.to(acc) - live).detach()
-    return rms_norm_backward(dy, x, weight, r, offset)
+    return rms_norm_backward(x, dy, weight, r, offset)
 
 
 def fused_add_rms_norm_forward(x, residual, weight=None, eps=1e-6, mode="pre", offset=0.0, casting_mode="llama"):

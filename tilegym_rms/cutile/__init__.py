@@ -12,12 +12,14 @@ import functools
 import torch
 
 from .._checks import KERNEL_DTYPES
+from ..reference import CASTING_CODES
 from . import config
 
 # Compute capabilities that tileiras targets: 8.x, 9.0, 10.x and 12.x.
 SUPPORTED_CC_MAJORS = (8, 10, 12)
 SUPPORTED_CC_EXACT = ((9, 0),)
 SUPPORTED_DTYPES = KERNEL_DTYPES
+FORWARD_KERNELS = config.FORWARD_KERNELS
 
 
 @functools.cache
@@ -82,12 +84,12 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=4096)
-def _forward_config(device_index, m, n, dtype, mode):
+def _forward_config(device_index, m, n, dtype, kernel):
     from .launch import num_sms
 
     # Tiles come from M's bucket (a new M compiles nothing new); the grid follows the real M.
-    cfg = config.forward_config(config.m_bucket(m), n, dtype, num_sms(device_index), mode)
-    grid = m if cfg.mode == "gather" else min(cfg.grid, config.cdiv(m, cfg.tile_m))
+    cfg = config.forward_config(config.m_bucket(m), n, dtype, num_sms(device_index), kernel)
+    grid = m if cfg.kernel == "gather" else min(cfg.grid, config.cdiv(m, cfg.tile_m))
     return dataclasses.replace(cfg, grid=grid)
 
 
@@ -111,10 +113,10 @@ def clear_caches() -> None:
         cache.cache_clear()
 
 
-def forward_config(x: torch.Tensor, mode: str | None = None) -> config.ForwardConfig:
+def forward_config(x: torch.Tensor, kernel: str | None = None) -> config.ForwardConfig:
     """The forward configuration the dispatcher picks for ``x`` (M, N); tests assert on it."""
     m, n = x.shape
-    return _forward_config(_device_index(x.device), m, n, x.dtype, mode)
+    return _forward_config(_device_index(x.device), m, n, x.dtype, kernel)
 
 
 def _weight_arg(weight, x):
@@ -135,11 +137,11 @@ class _ForwardLaunch:
 
 
 @functools.lru_cache(maxsize=4096)
-def _forward_launch(device_index, m, n, dtype, mode, casting_mode, has_w, store_rstd) -> _ForwardLaunch:
+def _forward_launch(device_index, m, n, dtype, kernel, casting_mode, has_w, store_rstd) -> _ForwardLaunch:
     k = _kernels()
-    cfg = _forward_config(device_index, m, n, dtype, mode)
-    cast = k.CAST_CODES[casting_mode]
-    if cfg.mode == "gather":
+    cfg = _forward_config(device_index, m, n, dtype, kernel)
+    cast = CASTING_CODES[casting_mode]
+    if cfg.kernel == "gather":
         constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd)
         return _ForwardLaunch(k.rms_norm_fwd_gather, (m,), cfg.hints, constants, store_rstd)
     # The persistent kernel always stores rstd (see kernels.STORE_RSTD).
@@ -147,15 +149,15 @@ def _forward_launch(device_index, m, n, dtype, mode, casting_mode, has_w, store_
     return _ForwardLaunch(k.rms_norm_fwd_persistent, (cfg.grid,), cfg.hints, constants, True)
 
 
-def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None):
+def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, kernel=None):
     """``(y, rstd)`` for a 2-D ``x`` (``rstd`` None unless ``store_rstd``); see
-    :func:`tilegym_rms.dispatch.Backend.forward`."""
+    :class:`tilegym_rms.dispatch.Backend`. ``kernel``: one of :data:`FORWARD_KERNELS`, None chooses."""
     m, n = x.shape
     y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
     if m == 0:
         return y, (x.new_empty((0,), dtype=torch.float32) if store_rstd else None)
     dev = x.get_device()
-    plan = _forward_launch(dev, m, n, x.dtype, mode, casting_mode, weight is not None, store_rstd)
+    plan = _forward_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd)
     rstd = x.new_empty((m,), dtype=torch.float32) if plan.allocates_rstd else None
     # Without rstd the kernel stores none; y stands in for the argument.
     args = (_plain(x), _weight_arg(weight, x), y, y if rstd is None else rstd, float(eps), float(offset))
@@ -164,13 +166,13 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None)
 
 
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes of the fp32 dw partial buffer (grid x N x 4) the backward allocates (none in direct mode)."""
+    """Bytes of the fp32 dw partial buffer (grid x N x 4) the backward allocates (none in the direct plan)."""
     cfg = _backward_config(_device_index(device), m, n, dtype)
-    return 0 if cfg.mode == "direct" else cfg.grid * n * 4
+    return 0 if cfg.plan == "direct" else cfg.grid * n * 4
 
 
-def backward(dy, x, weight, rstd, offset, casting_mode):
-    """``(dx, dw)`` for 2-D ``x`` and ``dy``; see :func:`tilegym_rms.dispatch.Backend.backward`."""
+def backward(x, dy, weight, rstd, offset, casting_mode):
+    """``(dx, dw)`` for 2-D ``x`` and ``dy``; see :class:`tilegym_rms.dispatch.Backend`."""
     del casting_mode  # the backward formula is the same for every casting mode
     m, n = x.shape
     dx = torch.empty_like(x)
@@ -181,7 +183,7 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
     dev = x.get_device()
     cfg = _backward_config(dev, m, n, x.dtype)
     dy, x, w = _plain(dy), _plain(x), _weight_arg(weight, x)
-    if cfg.mode == "direct":
+    if cfg.plan == "direct":
         dw = weight.new_empty((n,)) if has_w else None
         args = (dy, x, w, rstd, dx, w if dw is None else dw, float(offset), cfg.tile_m, cfg.tile_n)
         args += (cfg.strip_n, cfg.strip_m, has_w)
@@ -189,7 +191,7 @@ def backward(dy, x, weight, rstd, offset, casting_mode):
         return dx, dw
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
     dw_partial = x.new_empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32)
-    if cfg.mode == "fused":
+    if cfg.plan == "persistent":
         args = (dy, x, w, rstd, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w)
         launch(k.rms_norm_bwd_persistent, (cfg.grid,), args, dev, cfg.hints)
     else:

@@ -3,7 +3,7 @@ compiler hints.
 
 Kept apart from the kernels so that tuning never touches kernel code. Every choice is a pure
 function of ``(M, N, dtype, num_sms)``; tiles and hints come from M's power-of-two bucket (the host
-passes the bucket and caches the result per device, M, N, dtype and mode), so a new M compiles
+passes the bucket and caches the result per device, M, N, dtype and kernel), so a new M compiles
 nothing new. Tile shapes are powers of two. The constants come from sweeps on H100/H200
 (``bench/tune_cutile.py``); ``bench/NOTES.md`` has each experiment.
 """
@@ -16,7 +16,7 @@ import torch
 
 from .._tiling import cdiv, next_pow2, prev_pow2
 
-FORWARD_MODES = ("gather", "persistent")
+FORWARD_KERNELS = ("gather", "persistent")
 
 # Widest row kept in registers as one tile; wider rows take the column-chunked kernels. A whole row per
 # block streams faster than chunks that read it twice (experiments 10, 17). The persistent forward takes
@@ -121,7 +121,7 @@ def m_bucket(m: int) -> int:
 
 @dataclass(frozen=True)
 class ForwardConfig:
-    mode: str  # "gather" or "persistent"
+    kernel: str  # "gather" or "persistent"
     tile_m: int
     tile_n: int
     single_tile: bool  # gather only: the row fits one tile
@@ -132,15 +132,16 @@ class ForwardConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    # "direct" (few rows: one kernel writes dx and dw), "fused" (rows fit one tile, or a tile and a tail
-    # tile; dw partial rows, then the reduction) or "chunked" (two kernels over column chunks, then the reduction)
-    mode: str
+    # "direct" (few rows: rms_norm_bwd_direct writes dx and dw), "persistent" (rows fit one tile, or a
+    # tile and a tail tile: rms_norm_bwd_persistent writes dx and dw partial rows, then the reduction) or
+    # "chunked" (rms_norm_bwd_row_dot and rms_norm_bwd_column_chunk over column chunks, then the reduction)
+    plan: str
     tile_m: int
     tile_n: int
     grid: int  # row workers: rows of the dw partial buffer (direct: dx blocks, one per row tile)
-    num_chunks: int  # column chunks (1 when fused); the chunked grid is (grid, num_chunks); direct: dw strips
+    num_chunks: int  # column chunks (1 when persistent); the chunked grid is (grid, num_chunks); direct: dw strips
     hints: Hints = ()  # compiler hints (occupancy, num_worker_warps)
-    tail_n: int = 0  # fused: width of the tail tile after the first TILE_N columns (0: none)
+    tail_n: int = 0  # persistent: width of the tail tile after the first TILE_N columns (0: none)
     strip_n: int = 0  # direct: columns of one dw strip
     strip_m: int = 0  # direct: rows a dw strip block sums per step
 
@@ -174,24 +175,25 @@ def split_row(n: int) -> tuple[int, int]:
     return (head, tail) if head + tail < next_pow2(n) else (next_pow2(n), 0)
 
 
-def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, mode: str | None = None) -> ForwardConfig:
-    """Chooses the forward kernel and its tiles. ``mode`` forces a kernel ("gather" / "persistent")."""
+def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None) -> ForwardConfig:
+    """Chooses the forward kernel and its tiles. ``kernel`` forces one ("gather" / "persistent")."""
     padded = next_pow2(n)
     fits = padded <= FWD_MAX_SINGLE_TILE_N
-    if mode is None:
+    if kernel is None:
         few_rows = m <= GATHER_MAX_ROWS_PER_SM * num_sms
         fills_tile = dtype.itemsize != 2 or n >= GATHER_PREFERRED_MIN_FILL_16BIT * padded
         preferred = GATHER_PREFERRED_MIN_N <= n <= GATHER_PREFERRED_MAX_N and m >= GATHER_PREFERRED_MIN_M
         gather_wins = (preferred and fills_tile) or n >= GATHER_MIN_N
-        mode = "gather" if few_rows or gather_wins else "persistent"
-    if mode not in FORWARD_MODES:
-        raise ValueError(f"mode must be one of {FORWARD_MODES} or None, got {mode!r}")
-    if mode == "gather":
+        kernel = "gather" if few_rows or gather_wins else "persistent"
+    if kernel not in FORWARD_KERNELS:
+        raise ValueError(f"kernel must be one of {FORWARD_KERNELS} or None, got {kernel!r}")
+    if kernel == "gather":
         tile_n = padded if fits else FWD_CHUNK_N
         return ForwardConfig("gather", 1, tile_n, fits, m, _gather_hints(tile_n, fits))
     if padded > FWD_MAX_PERSISTENT_TILE_N:
         raise ValueError(
-            f"mode='persistent' needs rows of at most {FWD_MAX_PERSISTENT_TILE_N} elements (N={n}); use mode='gather'"
+            f"kernel='persistent' needs rows of at most {FWD_MAX_PERSISTENT_TILE_N} elements (N={n}); "
+            "use kernel='gather'"
         )
     tile_n, tail_n = split_row(n) if padded >= FWD_SPLIT_MIN_TILE_N else (padded, 0)
     row = tile_n + tail_n
@@ -228,7 +230,7 @@ def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> Backwar
         tile_m = _tile_m(row, BWD_NARROW_TILE_ELEMS if row <= NARROW_MAX_ROW else BWD_WIDE_TILE_ELEMS)
         blocks, hints = _blocks_and_hints(row, "BWD")
         grid = min(num_sms * blocks, cdiv(m, tile_m))
-        return BackwardConfig("fused", tile_m, tile_n, grid, 1, hints, tail_n)
+        return BackwardConfig("persistent", tile_m, tile_n, grid, 1, hints, tail_n)
     num_chunks = cdiv(n, BWD_CHUNK_N)
     blocks, hints = _blocks_and_hints(BWD_CHUNK_N, "BWD")
     # Enough row workers that (workers x chunks) fills the GPU, never more than there are row tiles.

@@ -20,9 +20,9 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from ..experimental import experimental_kernel
+from ..reference import CASTING_CODES
 
-CAST_LLAMA, CAST_GEMMA, CAST_NONE = 0, 1, 2
-CAST_CODES = {"llama": CAST_LLAMA, "gemma": CAST_GEMMA, "none": CAST_NONE}
+CAST_LLAMA, CAST_GEMMA, CAST_NONE = (CASTING_CODES[m] for m in ("llama", "gemma", "none"))
 
 _ZERO = ct.PaddingMode.ZERO
 _F32 = ct.float32

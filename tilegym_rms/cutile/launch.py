@@ -17,8 +17,8 @@ def num_sms(device_index: int) -> int:
 
 
 def _raw_stream(device_index: int):
-    """The current stream of a device as the raw handle ``ct.launch`` accepts: a C-level lookup, about
-    5 us cheaper per launch than building a ``torch.cuda.Stream`` object (``../shared/gpu``'s note)."""
+    """The current stream of a device as the raw handle ``ct.launch`` accepts: a C-level lookup, a
+    few microseconds cheaper per launch than building a ``torch.cuda.Stream`` object (bench/NOTES.md)."""
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 

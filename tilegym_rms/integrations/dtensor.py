@@ -71,7 +71,7 @@ def register() -> bool:
         return None if weight is None else Replicate()
 
     @register_sharding(lib.rms_norm_fwd.default)
-    def _rms_norm_fwd(x, weight, eps, offset, casting_mode, backend, mode):
+    def _rms_norm_fwd(x, weight, eps, offset, casting_mode, backend, kernel):
         w = weight_placement(weight)
         # (output placements [y, rstd], input placements [x, weight]) per acceptable strategy.
         rules = [([Replicate(), Replicate()], [Replicate(), w])]
@@ -79,7 +79,7 @@ def register() -> bool:
         return rules
 
     @register_sharding(lib.rms_norm_bwd.default)
-    def _rms_norm_bwd(dy, x, weight, rstd, offset, casting_mode, backend):
+    def _rms_norm_bwd(x, dy, weight, rstd, offset, casting_mode, backend):
         w = weight_placement(weight)
         # dw sums over all rows: each shard's sum is a partial one. Without a weight, dw is an empty
         # placeholder every rank holds alike.

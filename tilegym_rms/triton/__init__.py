@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 
 from tilegym_rms._checks import KERNEL_DTYPES
-from tilegym_rms.ascend import config
-from tilegym_rms.ascend import launch as _launch
-from tilegym_rms.ascend.config import choose_path, plan
-from tilegym_rms.reference import CASTING_MODES, FUSED_ADD_MODES
+from tilegym_rms.reference import CASTING_CODES, CASTING_MODES, FUSED_ADD_MODES
+from tilegym_rms.triton import config
+from tilegym_rms.triton import launch as _launch
+from tilegym_rms.triton.config import choose_path, plan
 
 __all__ = [
+    "FORWARD_KERNELS",
     "SUPPORTED_DTYPES",
     "backward_workspace_bytes",
     "available",
@@ -37,12 +38,13 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = KERNEL_DTYPES
+FORWARD_KERNELS = config.PATHS
 _NPU_INSTALL_HINT = "torch_npu / triton-ascend not installed: pip install torch-npu triton-ascend"
 
 
 def _kernels():
     # Deferred: importing triton (and jitting the kernels) only when a kernel is about to run.
-    from tilegym_rms.ascend import kernels
+    from tilegym_rms.triton import kernels
 
     return kernels
 
@@ -146,7 +148,7 @@ def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, st
     flags = {
         "BLOCK_M": p.block_m,
         "BLOCK_N": p.block_n,
-        "CASTING": k.CASTING_IDS[casting_mode],
+        "CASTING": CASTING_CODES[casting_mode],
         "HAS_W": weight is not None,
         "HAS_RESIDUAL": has_res,
         "STORE_RESIDUAL": store_residual,
@@ -168,17 +170,17 @@ def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, st
     return y, res_out, rstd
 
 
-def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, mode=None):
+def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, kernel=None):
     """RMSNorm forward. Returns ``(y, rstd)``: ``y`` contiguous in x's dtype, ``rstd`` (M,) fp32 or None.
 
-    ``mode`` forces a kernel path (``"block"``, ``"block_row"``, ``"partitioned"``); by default
-    :func:`choose_path` picks it.
+    ``kernel`` forces a kernel path (one of :data:`FORWARD_KERNELS`: ``"block"``, ``"block_row"``,
+    ``"partitioned"``); by default :func:`choose_path` picks it.
     """
-    y, _, rstd = _forward_impl(x, None, weight, eps, offset, casting_mode, store_rstd, False, "forward", mode)
+    y, _, rstd = _forward_impl(x, None, weight, eps, offset, casting_mode, store_rstd, False, "forward", kernel)
     return y, rstd
 
 
-def fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, *, store_rstd=True):
+def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, store_rstd=True):
     """``S = x + residual``; ``y = rms_norm(S)``. Returns ``(y, residual_out, rstd)``.
 
     ``mode="pre"``: ``residual_out = S``. ``mode="post"``: ``residual_out`` is ``y`` itself and ``S``
@@ -211,7 +213,7 @@ def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device) -> int:
     return _schedule(p, torch.device(device))[0] * n * 4
 
 
-def backward(dy, x, weight, rstd, offset, casting_mode):
+def backward(x, dy, weight, rstd, offset, casting_mode):
     """RMSNorm backward (the fp32 formula for every casting mode). Returns ``(dx, dw)``.
 
     ``dx = rstd * (w~*dy - x^ * mean(x^ * w~ * dy))`` with ``x^ = x*rstd``, ``w~ = offset + w``;

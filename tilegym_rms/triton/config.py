@@ -1,7 +1,7 @@
 """Tile sizing and path selection for the Ascend (triton-ascend) RMSNorm kernels.
 
 Everything here is plain Python (no triton import at module level), so the dispatch decisions can
-be unit-tested without a device. The launch code in :mod:`tilegym_rms.ascend` calls :func:`plan`,
+be unit-tested without a device. The launch code in :mod:`tilegym_rms.triton` calls :func:`plan`,
 which calls :func:`choose_path`; tests call the same functions to assert which path a shape takes.
 
 Sizing model. Each Ascend vector core owns a small Unified Buffer (UB): 192 KB on Atlas A2. A tile

@@ -25,12 +25,11 @@ import triton
 import triton.language as tl
 
 from tilegym_rms.experimental import experimental_kernel
+from tilegym_rms.reference import CASTING_CODES
 
-# Casting modes as compile-time integers (the order of tilegym_rms.reference.CASTING_MODES).
-CASTING_IDS = {"llama": 0, "gemma": 1, "none": 2}
-_CAST_LLAMA = tl.constexpr(0)
-_CAST_GEMMA = tl.constexpr(1)
-_CAST_NONE = tl.constexpr(2)
+_CAST_LLAMA = tl.constexpr(CASTING_CODES["llama"])
+_CAST_GEMMA = tl.constexpr(CASTING_CODES["gemma"])
+_CAST_NONE = tl.constexpr(CASTING_CODES["none"])
 
 
 def _npu_experimental(fn):

@@ -1,6 +1,6 @@
 """The single launch helper of the Ascend backend.
 
-Every kernel launch of :mod:`tilegym_rms.ascend` goes through :func:`launch`, so that the
+Every kernel launch of :mod:`tilegym_rms.triton` goes through :func:`launch`, so that the
 experimental-kernel notice (:func:`tilegym_rms.experimental.notify_launch`) can never be bypassed.
 """
 
