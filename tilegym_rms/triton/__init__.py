@@ -39,7 +39,8 @@ __all__ = [
 
 SUPPORTED_DTYPES = KERNEL_DTYPES
 FORWARD_KERNELS = config.PATHS
-_NPU_INSTALL_HINT = "torch_npu / triton-ascend not installed: pip install torch-npu triton-ascend"
+_TRITON_INSTALL_HINT = "triton is not installed: pip install 'tilegym_rms[triton]' (NVIDIA GPUs, CPU interpreter)"
+_NPU_INSTALL_HINT = "torch_npu / triton-ascend not installed: pip install 'tilegym_rms[ascend]'"
 
 
 def _kernels():
@@ -55,7 +56,7 @@ def available(device) -> tuple[bool, str]:
     try:
         import triton
     except ImportError:
-        return False, "triton is not installed"
+        return False, _TRITON_INSTALL_HINT
     if device.type == "npu":
         try:
             import torch_npu  # noqa: F401
