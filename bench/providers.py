@@ -208,42 +208,11 @@ def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[
 def relative_errors(
     x: torch.Tensor, w: torch.Tensor, eps: float, outputs: dict, dy: torch.Tensor | None = None
 ) -> dict[str, float]:
-    """``||out - ref|| / ||ref||`` for each of y, dx, dw present in ``outputs``; the reference is float64 math,
-    computed in row chunks to bound memory."""
-    m, n = x.shape
-    chunk = max(1, (1 << 25) // n)
-    wf = w.detach().double()
-    num = {"y": 0.0, "dx": 0.0}
-    den = {"y": 0.0, "dx": 0.0}
-    dw_ref = torch.zeros(n, dtype=torch.float64, device=x.device)
-    need_bwd = "dx" in outputs or "dw" in outputs
-    for r0 in range(0, m, chunk):
-        r1 = min(m, r0 + chunk)
-        xc = x[r0:r1].detach().double()
-        rstd = torch.rsqrt(xc.square().mean(-1, keepdim=True) + eps)
-        xhat = xc * rstd
-        if "y" in outputs:
-            ref = xhat * wf
-            num["y"] += (outputs["y"][r0:r1].detach().double() - ref).square().sum().item()
-            den["y"] += ref.square().sum().item()
-        if need_bwd:
-            dyc = dy[r0:r1].double()
-            g = dyc * wf
-            ref = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-            if "dx" in outputs:
-                num["dx"] += (outputs["dx"][r0:r1].detach().double() - ref).square().sum().item()
-                den["dx"] += ref.square().sum().item()
-            dw_ref += (dyc * xhat).sum(0)
-    errs = {}
-    for k in ("y", "dx"):
-        if k in outputs:
-            errs[k] = math.sqrt(num[k]) / math.sqrt(den[k]) if den[k] > 0 else math.sqrt(num[k])
-    if "dw" in outputs:
-        d = outputs["dw"].detach().double().reshape(-1)
-        ref_norm = dw_ref.norm().item()
-        diff = (d - dw_ref).norm().item()
-        errs["dw"] = diff / ref_norm if ref_norm > 0 else diff
-    return errs
+    """Relative errors of y, dx, dw (those present in ``outputs``) against float64 math, computed in
+    row chunks to bound memory (``tilegym_rms.testing.chunked_errors``)."""
+    from tilegym_rms.testing import chunked_errors
+
+    return chunked_errors(x, w, dy, outputs, eps=eps, chunk_elems=1 << 25)
 
 
 def check_ok(errs: dict[str, float], dtype_name: str) -> bool:

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from tilegym_rms import dispatch
+from tilegym_rms.testing import chunked_errors, rel_err, strided  # noqa: F401  (the tests import them from here)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,16 +21,6 @@ def _fresh_dispatch(monkeypatch):
     dispatch._clear_cache()
     yield
     dispatch._clear_cache()
-
-
-def rel_err(out, ref) -> float:
-    """||out - ref|| / ||ref|| in float64 (0 when both are empty); NaN anywhere fails."""
-    out, ref = out.double(), ref.double()
-    if ref.numel() == 0:
-        return 0.0
-    assert torch.isfinite(out).all(), "non-finite values in the output"
-    denom = ref.norm().item()
-    return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
 # ------------------------------------------------------------------------------------------------

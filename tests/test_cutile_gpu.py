@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import BIG_GPU_ELEMS, big_gpu_memory_if
+from conftest import BIG_GPU_ELEMS, big_gpu_memory_if, chunked_errors
 
 import tilegym_rms
 from tilegym_rms import reference
@@ -26,41 +26,13 @@ DW_TOL = 1e-2
 MN_GRID = [
     pytest.param(m, n, id=f"{m}-{n}", marks=big_gpu_memory_if(m * n >= BIG_GPU_ELEMS)) for m in M_GRID for n in N_GRID
 ]
-ROWS_PER_REF_CHUNK_ELEMS = 1 << 25  # fp64 reference computed in row chunks: bounded memory
+REF_CHUNK_ELEMS = 1 << 25  # fp64 reference computed in row chunks: bounded memory
 
 
 def _skip_if_too_big(m, n, dtype):
     # 65536 x 65536 needs ~8 GB per tensor in bf16; run that corner in bf16 only.
     if m * n > (1 << 30) and dtype != torch.bfloat16:
         pytest.skip("largest corner runs in bf16 only")
-
-
-def _errors(x, w, dy, y, dx, dw, eps, offset, casting_mode, rstd=None):
-    """Relative errors of y, dx, dw (and rstd) against the float64 reference, chunk by chunk."""
-    n = x.shape[-1]
-    x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)
-    y2, dx2 = y.reshape(-1, n), dx.reshape(-1, n)
-    w64 = w.double() if w is not None else None
-    sums = {k: [0.0, 0.0] for k in ("y", "dx", "rstd")}
-    dw_ref = torch.zeros(n, dtype=torch.float64, device=x.device) if w is not None else None
-    step = max(1, ROWS_PER_REF_CHUNK_ELEMS // n)
-    for s in range(0, x2.shape[0], step):
-        xr = x2[s : s + step].double()
-        y_ref, r_ref = reference.rms_norm_forward(xr, w64, eps, offset, casting_mode)
-        dx_ref, dw_part = reference.rms_norm_backward(xr, dy2[s : s + step].double(), w64, r_ref, offset)
-        pairs = {"y": (y2[s : s + step], y_ref), "dx": (dx2[s : s + step], dx_ref)}
-        if rstd is not None:
-            pairs["rstd"] = (rstd.reshape(-1)[s : s + step], r_ref)
-        for k, (out, ref) in pairs.items():
-            assert torch.isfinite(out).all(), f"non-finite {k}"
-            sums[k][0] += (out.double() - ref).square().sum().item()
-            sums[k][1] += ref.square().sum().item()
-        if dw_ref is not None:
-            dw_ref += dw_part
-    err = {k: (a / b) ** 0.5 if b > 0 else a**0.5 for k, (a, b) in sums.items()}
-    if dw_ref is not None:
-        err["dw"] = ((dw.double() - dw_ref).norm() / dw_ref.norm().clamp_min(1e-30)).item()
-    return err
 
 
 def _check(m, n, dtype, *, weight=True, offset=0.0, casting_mode="llama", kernel=None, x=None, eps=1e-6):
@@ -73,7 +45,10 @@ def _check(m, n, dtype, *, weight=True, offset=0.0, casting_mode="llama", kernel
     kw = dict(offset=offset, casting_mode=casting_mode, backend="cutile")
     y, rstd = tilegym_rms.rms_norm_forward(x, w, eps, kernel=kernel, **kw)
     dx, dw = tilegym_rms.rms_norm_backward(x, dy, w, rstd, **kw)
-    err = _errors(x, w, dy, y, dx, dw, eps, offset, casting_mode, rstd)
+    outputs = {"y": y, "dx": dx, "rstd": rstd} | ({"dw": dw} if weight else {})
+    err = chunked_errors(
+        x, w, dy, outputs, eps=eps, offset=offset, casting_mode=casting_mode, chunk_elems=REF_CHUNK_ELEMS
+    )
     tol = Y_TOL[dtype]
     assert err["y"] <= tol, err
     assert err["dx"] <= tol, err

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from conftest import BIG_GPU_ELEMS, big_gpu_memory_if  # noqa: E402
+from conftest import BIG_GPU_ELEMS, big_gpu_memory_if, chunked_errors, rel_err, strided  # noqa: E402
 
 import tilegym_rms  # noqa: E402
 import tilegym_rms.triton as triton_backend  # noqa: E402
@@ -42,51 +42,8 @@ SHAPES = [(M, N) for M in MS for N in NS if M * N <= MAX_ELEMS]
 REF_CHUNK_ELEMS = 1 << 24
 
 
-def rel_err(out, expected, scale=None) -> float:
-    out, expected = out.double(), expected.double()
-    assert out.shape == expected.shape
-    assert torch.isfinite(out).all()
-    denom = expected.norm().item() if scale is None else scale
-    return (out - expected).norm().item() / (denom if denom > 0 else 1.0)
-
-
-def strided(M, N, dtype, seed, pad=8):
-    """An (M, N) view with row stride N + pad: the kernels take any row stride."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    return torch.randn(M, N + pad, generator=g, device=DEVICE).to(dtype)[:, :N]
-
-
 def test_available():
     assert triton_backend.available(DEVICE) == (True, "")
-
-
-def chunked_errors(x, w, dy, y, rstd, dx, dw) -> dict:
-    """Relative errors against the float64 reference (llama, offset 0), computed in row chunks: y, rstd,
-    dx (against the larger of ||dx_ref|| and ||rstd * w * dy||: dx cancels to ~0 when N == 1) and dw."""
-    M, N = x.shape
-    sq = dict.fromkeys(("y", "y_ref", "rstd", "rstd_ref", "dx", "dx_ref", "dx_scale"), 0.0)
-    dw_ref = torch.zeros(N, dtype=torch.float64, device=x.device)
-    w64 = w.double()
-    step = max(1, REF_CHUNK_ELEMS // N)
-    for start in range(0, M, step):
-        rows = slice(start, start + step)
-        x64, dy64, r64 = x[rows].double(), dy[rows].double(), rstd[rows].double()
-        y_ref, rstd_ref = ref.rms_norm_forward(x64, w64, EPS, 0.0, "llama")
-        dx_ref, dw_part = ref.rms_norm_backward(x64, dy64, w64, r64, 0.0)
-        dw_ref += dw_part
-        for name, out, expected in (("y", y[rows], y_ref), ("rstd", rstd[rows], rstd_ref), ("dx", dx[rows], dx_ref)):
-            assert torch.isfinite(out).all(), f"non-finite {name}"
-            sq[name] += (out.double() - expected).square().sum().item()
-            sq[name + "_ref"] += expected.square().sum().item()
-        sq["dx_scale"] += (r64[:, None] * dy64 * w64).square().sum().item()
-    norm = {k: v**0.5 for k, v in sq.items()}
-    rel = lambda err, denom: err / (denom if denom > 0 else 1.0)
-    return {
-        "y": rel(norm["y"], norm["y_ref"]),
-        "rstd": rel(norm["rstd"], norm["rstd_ref"]),
-        "dx": rel(norm["dx"], max(norm["dx_ref"], norm["dx_scale"])),
-        "dw": rel_err(dw, dw_ref),
-    }
 
 
 SHAPE_PARAMS = [pytest.param(m, n, id=f"{m}x{n}", marks=big_gpu_memory_if(m * n >= BIG_GPU_ELEMS)) for m, n in SHAPES]
@@ -95,14 +52,14 @@ SHAPE_PARAMS = [pytest.param(m, n, id=f"{m}x{n}", marks=big_gpu_memory_if(m * n 
 @pytest.mark.parametrize(("M", "N"), SHAPE_PARAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_forward_backward(M, N, dtype):
-    x = strided(M, N, dtype, seed=0)
-    dy = strided(M, N, dtype, seed=1, pad=3)
+    x = strided(M, N, dtype, seed=0, pad=8, device=DEVICE)
+    dy = strided(M, N, dtype, seed=1, device=DEVICE)
     w = (torch.rand(N, device=DEVICE) + 0.5).to(dtype)
     y, rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")
     assert y.dtype == dtype and y.is_contiguous()
     dx, dw = triton_backend.backward(x, dy, w, rstd, 0.0, "llama")
     assert dw.dtype == dtype
-    err = chunked_errors(x, w, dy, y, rstd, dx, dw)
+    err = chunked_errors(x, w, dy, {"y": y, "rstd": rstd, "dx": dx, "dw": dw}, eps=EPS, chunk_elems=REF_CHUNK_ELEMS)
     assert err["y"] <= TOL[dtype], err
     assert err["rstd"] <= 1e-5, err
     assert err["dx"] <= TOL[dtype], err
@@ -117,7 +74,7 @@ FEW = [(7, 123), (4097, 64), (128, 5120), (7, 65536), (65536, 512)]
 @pytest.mark.parametrize("casting_mode", ref.CASTING_MODES)
 @pytest.mark.parametrize("kind", ["w+1", "none"])
 def test_casting_modes_offset_and_no_weight(M, N, dtype, casting_mode, kind):
-    x = strided(M, N, dtype, seed=2)
+    x = strided(M, N, dtype, seed=2, pad=8, device=DEVICE)
     w, offset = (None, 0.0) if kind == "none" else ((0.1 * torch.randn(N, device=DEVICE)).to(dtype), 1.0)
     w64 = None if w is None else w.double()
     y, rstd = triton_backend.forward(x, w, EPS, offset, casting_mode, store_rstd=casting_mode != "gemma")
@@ -126,7 +83,7 @@ def test_casting_modes_offset_and_no_weight(M, N, dtype, casting_mode, kind):
     assert (rstd is None) == (casting_mode == "gemma")
     if rstd is None:
         return
-    dy = strided(M, N, dtype, seed=3)
+    dy = strided(M, N, dtype, seed=3, pad=8, device=DEVICE)
     dx, dw = triton_backend.backward(x, dy, w, rstd, offset, casting_mode)
     dx_ref, dw_ref = ref.rms_norm_backward(x.double(), dy.double(), w64, rstd.double(), offset)
     assert rel_err(dx, dx_ref) <= TOL[dtype]
@@ -139,7 +96,7 @@ def test_casting_modes_offset_and_no_weight(M, N, dtype, casting_mode, kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("mode", ref.FUSED_ADD_MODES)
 def test_fused_add(M, N, dtype, mode):
-    x, r = strided(M, N, dtype, seed=4), strided(M, N, dtype, seed=5, pad=1)
+    x, r = strided(M, N, dtype, seed=4, pad=8, device=DEVICE), strided(M, N, dtype, seed=5, pad=1)
     w = (torch.rand(N, device=DEVICE) + 0.5).to(dtype)
     y, res_out, rstd = triton_backend.fused_add_forward(x, r, w, EPS, 0.0, "llama", mode=mode)
     y_ref, res_ref, rstd_ref = ref.fused_add_rms_norm_forward(x.double(), r.double(), w.double(), EPS, mode)

@@ -31,6 +31,7 @@ import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from conftest import rel_err, strided  # noqa: E402
 
 pytest.importorskip("triton")
 pytest.importorskip("numpy", reason="the Triton interpreter needs numpy")
@@ -68,20 +69,6 @@ SHAPES = [
     pytest.param(4100, 8, None, "block_row", id="4100x8-block_row-ragged"),
     pytest.param(4096, 16, None, "block_row", id="4096x16-block_row-aligned"),
 ]
-
-
-def rel_err(out, expected) -> float:
-    out, expected = out.double(), expected.double()
-    assert out.shape == expected.shape
-    assert torch.isfinite(out).all()
-    denom = expected.norm().item()
-    return (out - expected).norm().item() / (denom if denom > 0 else 1.0)
-
-
-def strided(M, N, dtype=torch.float32, pad=3, seed=0):
-    """An (M, N) view with row stride N + pad, to exercise the stride arguments."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(M, N + pad, generator=g).to(dtype)[:, :N]
 
 
 def rand(*shape, dtype=torch.float32, seed=1):

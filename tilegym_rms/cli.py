@@ -19,6 +19,7 @@ import torch
 from . import __version__, reference
 from .dispatch import available_backends, resolve_backend
 from .ops import rms_norm_backward, rms_norm_forward
+from .testing import rel_err
 
 BENCH_SCRIPTS = {"bench": "bench_rmsnorm.py", "bench-backward": "bench_rmsnorm_backward.py"}
 COMMANDS = ("check", "aot", *BENCH_SCRIPTS)
@@ -56,10 +57,6 @@ def _command_index(argv: list[str]) -> int | None:
     return None
 
 
-def _rel(out, ref) -> float:
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def _gpu_time_us(fn, reps=50) -> float:
     fn()
     torch.cuda.synchronize()
@@ -82,7 +79,7 @@ def _check_one(backend: str, device: torch.device, dtype: torch.dtype, m: int, n
     dx, dw = rms_norm_backward(x, dy, w, rstd, backend=backend)
     y_ref, r_ref = reference.rms_norm_forward(x.double(), w.double(), 1e-6)
     dx_ref, dw_ref = reference.rms_norm_backward(x.double(), dy.double(), w.double(), r_ref)
-    errs = {"y": _rel(y, y_ref), "dx": _rel(dx, dx_ref), "dw": _rel(dw, dw_ref)}
+    errs = {"y": rel_err(y, y_ref), "dx": rel_err(dx, dx_ref), "dw": rel_err(dw, dw_ref)}
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     ok = errs["y"] <= tol and errs["dx"] <= tol and errs["dw"] <= 1e-2
     shown = ", ".join(f"{k} {v:.2e}" for k, v in errs.items())

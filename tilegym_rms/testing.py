@@ -1,0 +1,86 @@
+"""Checks against float64, shared by the tests, the benchmarks and ``tilegym-rms``.
+
+Errors are relative norms computed in float64. Non-finite outputs give a NaN or infinite error, which
+fails every ``error <= tolerance`` comparison, so nothing here needs to raise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+__all__ = ["chunked_errors", "rel_err", "strided"]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: float | None = None) -> float:
+    """``||out - ref|| / ||ref||`` (or ``/ scale``) in float64; 0 when both are empty.
+
+    The shapes must match: a broadcast comparison would hide a wrong output shape."""
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} against the reference's {tuple(ref.shape)}"
+    if ref.numel() == 0:
+        return 0.0
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    denom = ref.norm().item() if scale is None else scale
+    return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def strided(m: int, n: int, dtype=torch.float32, *, pad: int = 3, seed: int = 0, device="cpu") -> torch.Tensor:
+    """A random ``(m, n)`` view with row stride ``n + pad``: the kernels take any row stride."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(m, n + pad, generator=g, device=device).to(dtype)[:, :n]
+
+
+def chunked_errors(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    dy: torch.Tensor | None,
+    outputs: dict,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    chunk_elems: int = 1 << 24,
+) -> dict[str, float]:
+    """Relative errors of the ``outputs`` present (``y``, ``rstd``, ``dx``, ``dw``) against
+    :mod:`tilegym_rms.reference` in float64, computed in row chunks so that the reference's memory
+    stays bounded whatever the shape.
+
+    ``dx`` is measured against the larger of ``||dx_ref||`` and ``||rstd * w~ * dy||``: at N = 1 the
+    exact ``dx`` cancels to about 0 and a plain relative error would measure only rounding."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    dy2 = dy.reshape(-1, n) if dy is not None else None
+    outs = {k: (v.reshape(-1, n) if k in ("y", "dx") else v.reshape(-1)) for k, v in outputs.items() if k != "dw"}
+    w64 = weight.detach().double() if weight is not None else None
+    w_eff = reference.effective_weight(w64, offset, torch.float64)
+    sq = {k: [0.0, 0.0] for k in outs}
+    dx_scale = 0.0
+    dw_ref = torch.zeros(n, dtype=torch.float64, device=x.device)
+    step = max(1, chunk_elems // max(n, 1))
+    for start in range(0, x2.shape[0], step):
+        rows = slice(start, start + step)
+        xc = x2[rows].detach().double()
+        y_ref, rstd_ref = reference.rms_norm_forward(xc, w64, eps, offset, casting_mode)
+        refs = {"y": y_ref, "rstd": rstd_ref}
+        if dy2 is not None and ("dx" in outs or "dw" in outputs):
+            dyc = dy2[rows].double()
+            dx_ref, dw_part = reference.rms_norm_backward(xc, dyc, w64, rstd_ref, offset)
+            refs["dx"] = dx_ref
+            g = dyc if w_eff is None else dyc * w_eff
+            dx_scale += (rstd_ref[:, None] * g).square().sum().item()
+            if dw_part is not None:
+                dw_ref += dw_part
+        for k, out in outs.items():
+            got = out[rows].detach().double()
+            sq[k][0] += (got - refs[k]).square().sum().item()
+            sq[k][1] += refs[k].square().sum().item()
+    errs = {}
+    for k, (err, ref) in sq.items():
+        denom = max(ref, dx_scale) if k == "dx" else ref
+        errs[k] = (err / denom) ** 0.5 if denom > 0 else err**0.5
+    if "dw" in outputs and outputs["dw"] is not None:
+        errs["dw"] = rel_err(outputs["dw"].detach().reshape(-1), dw_ref)
+    return errs
