@@ -4,10 +4,10 @@ import io
 
 import pytest
 
-from tilegym_rms import aot
-from tilegym_rms.cutile import kernels
+pytest.importorskip("cuda.tile")  # the [cuda] extra; before the kernels module, which imports it
 
-pytest.importorskip("cuda.tile")
+from tilegym_rms import aot  # noqa: E402
+from tilegym_rms.cutile import kernels  # noqa: E402
 
 
 def test_variants_cover_every_kernel():

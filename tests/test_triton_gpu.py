@@ -96,7 +96,7 @@ def test_casting_modes_offset_and_no_weight(M, N, dtype, casting_mode, kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("mode", ref.FUSED_ADD_MODES)
 def test_fused_add(M, N, dtype, mode):
-    x, r = strided(M, N, dtype, seed=4, pad=8, device=DEVICE), strided(M, N, dtype, seed=5, pad=1)
+    x, r = strided(M, N, dtype, seed=4, pad=8, device=DEVICE), strided(M, N, dtype, seed=5, pad=1, device=DEVICE)
     w = (torch.rand(N, device=DEVICE) + 0.5).to(dtype)
     y, res_out, rstd = triton_backend.fused_add_forward(x, r, w, EPS, 0.0, "llama", mode=mode)
     y_ref, res_ref, rstd_ref = ref.fused_add_rms_norm_forward(x.double(), r.double(), w.double(), EPS, mode)
@@ -112,9 +112,15 @@ def test_fused_add(M, N, dtype, mode):
 def test_fused_add_gradients(M, N, mode):
     """Through the public API on this backend, fp32: gradients through y and residual_out against autograd
     through the float64 reference ("post": residual_out is the normalized sum, its gradient reaches the norm)."""
-    x64, r64 = strided(M, N, torch.float64, seed=10), strided(M, N, torch.float64, seed=11, pad=1)
+    x64, r64 = (
+        strided(M, N, torch.float64, seed=10, pad=8, device=DEVICE),
+        strided(M, N, torch.float64, seed=11, pad=1, device=DEVICE),
+    )
     w64 = torch.randn(N, device=DEVICE, dtype=torch.float64)
-    gy, gres = strided(M, N, torch.float32, seed=12), strided(M, N, torch.float32, seed=13)
+    gy, gres = (
+        strided(M, N, torch.float32, seed=12, pad=8, device=DEVICE),
+        strided(M, N, torch.float32, seed=13, pad=8, device=DEVICE),
+    )
     x, r, w = (t.float().requires_grad_() for t in (x64, r64, w64))
     y, res_out = tilegym_rms.fused_add_rms_norm(x, r, w, EPS, mode=mode, offset=0.5, backend="triton")
     ((y * gy).sum() + (res_out * gres).sum()).backward()
@@ -129,7 +135,10 @@ def test_fused_add_gradients(M, N, mode):
 @pytest.mark.parametrize(("M", "N"), [(4097, 5120), (4097, 64), (300, 1000)])
 def test_backward_deterministic(M, N):
     """Two runs give bitwise-identical dx and dw (no atomics; fixed reduction order)."""
-    x, dy = strided(M, N, torch.float32, seed=6), strided(M, N, torch.float32, seed=7)
+    x, dy = (
+        strided(M, N, torch.float32, seed=6, pad=8, device=DEVICE),
+        strided(M, N, torch.float32, seed=7, pad=8, device=DEVICE),
+    )
     w = torch.randn(N, device=DEVICE)
     rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")[1]
     first = triton_backend.backward(x, dy, w, rstd, 0.0, "llama")
@@ -143,7 +152,10 @@ def test_forced_partitioned_path(monkeypatch):
     monkeypatch.setenv(config.UB_BYTES_ENV, "2048")
     M, N = 513, 1000
     assert config.choose_path(M, N, torch.float32, "backward") == "partitioned"
-    x, dy = strided(M, N, torch.float32, seed=8), strided(M, N, torch.float32, seed=9)
+    x, dy = (
+        strided(M, N, torch.float32, seed=8, pad=8, device=DEVICE),
+        strided(M, N, torch.float32, seed=9, pad=8, device=DEVICE),
+    )
     w = torch.randn(N, device=DEVICE)
     y, rstd = triton_backend.forward(x, w, EPS, 0.0, "llama")
     assert rel_err(y, ref.rms_norm_forward(x.double(), w.double(), EPS)[0]) <= TOL[torch.float32]
