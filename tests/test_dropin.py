@@ -25,11 +25,16 @@ from tilegym_rms import reference
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
-def run_fresh(code: str, env: dict | None = None, timeout: int = 600) -> str:
+def run_fresh(code: str, env: dict | None = None, timeout: int = 600, cwd=None) -> str:
     """Runs ``code`` in a new Python process (nothing imported or compiled yet); returns its stdout."""
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=timeout
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     return proc.stdout
@@ -449,3 +454,41 @@ def test_offset_accepts_numpy_scalars():
     x, w = torch.randn(3, 8), torch.randn(8)
     want = reference.rms_norm_forward(x, w, 1e-6, 0.5)[0]
     assert torch.equal(tilegym_rms.rms_norm(x, w, offset=np.float32(0.5)), want)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile's caches across versions of tilegym_rms
+# ----------------------------------------------------------------------------------------------
+
+CACHED_STEP = """
+    import torch, tilegym_rms
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    f = torch.compile(lambda x, w: tilegym_rms.rms_norm(x, w).sin().sum(), fullgraph=True)
+    f(x, w).backward()
+    print(float(x.grad.abs().sum()))
+"""
+
+
+def test_compile_cache_does_not_reuse_the_backward_of_another_version(tmp_path):
+    """A compiled backward cached by one version of ops.py must not serve another (bench/NOTES.md,
+    experiment 24): two copies of the package, the second with a backward that doubles dx, share
+    one Inductor cache; the second must get doubled gradients."""
+    import shutil
+
+    src = os.path.dirname(tilegym_rms.__file__)
+    copies = []
+    for i, scale in enumerate(("", " * 2")):
+        root = tmp_path / f"v{i}"
+        shutil.copytree(src, root / "tilegym_rms", ignore=shutil.ignore_patterns("__pycache__"))
+        ops = root / "tilegym_rms" / "ops.py"
+        old = "dx, dw = _rms_norm_bwd_op(x, dy, weight, rstd, *ctx.config)\n"
+        text = ops.read_text()
+        assert old in text
+        ops.write_text(text.replace(old, old + f"    dx = dx{scale}\n"))
+        copies.append(root)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    # cwd: python -c puts it first on sys.path, ahead of PYTHONPATH
+    first, second = (float(run_fresh(CACHED_STEP, {**env, "PYTHONPATH": str(root)}, cwd=root)) for root in copies)
+    assert second == pytest.approx(2 * first, rel=1e-5)

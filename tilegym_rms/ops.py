@@ -9,6 +9,8 @@ autograd, so a compiled model traces without graph breaks.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -121,6 +123,22 @@ class RMSNormFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
+def _wiring_fingerprint() -> str:
+    try:
+        return hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:16]
+    except OSError:  # no source file (a frozen or zipped install): the version stands in
+        from . import __version__
+
+        return __version__
+
+
+# torch's AOTAutograd cache keys a compiled graph on the Dynamo graph, which names the forward ops, but not
+# on the backward registered for them: a cached backward of an older version of this file was reused with
+# a newer op signature and gave wrong gradients (bench/NOTES.md, experiment 24). The forward ops take
+# this fingerprint of the file as an argument, so that the graph, and the cache key, change with it.
+WIRING = _wiring_fingerprint()
+
+
 @torch.library.custom_op("tilegym_rms::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd_op(
     x: torch.Tensor,
@@ -130,12 +148,13 @@ def _rms_norm_fwd_op(
     casting_mode: str,
     backend: str,
     kernel: Optional[str],
+    wiring: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(x, weight, eps, offset, casting_mode, backend, kernel)
 
 
 @_rms_norm_fwd_op.register_fake
-def _(x, weight, eps, offset, casting_mode, backend, kernel):
+def _(x, weight, eps, offset, casting_mode, backend, kernel, wiring):
     rstd_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), x.new_empty(x.shape[:-1], dtype=rstd_dtype)
 
@@ -162,7 +181,7 @@ def _(x, dy, weight, rstd, offset, casting_mode, backend):
 
 
 def _fwd_op_setup_context(ctx, inputs, output):
-    x, weight, _eps, offset, casting_mode, backend, _kernel = inputs
+    x, weight, _eps, offset, casting_mode, backend, _kernel, _wiring = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.config = (offset, casting_mode, backend)
 
@@ -170,7 +189,7 @@ def _fwd_op_setup_context(ctx, inputs, output):
 def _fwd_op_backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = _rms_norm_bwd_op(x, dy, weight, rstd, *ctx.config)
-    return dx, (dw if weight is not None else None), None, None, None, None, None
+    return dx, (dw if weight is not None else None), None, None, None, None, None, None
 
 
 _rms_norm_fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
@@ -209,7 +228,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
         # DTensor runs the op on local shards by its sharding rules, which must exist before a traced
         # call meets one (register() is a constant of the trace: it runs once while Dynamo traces).
         _dtensor.register()
-        return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, name, kernel)[0]
+        return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, name, kernel, WIRING)[0]
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, name, kernel)
     return _forward(x, weight, eps, offset, casting_mode, name, kernel, store_rstd=False)[0]
@@ -221,7 +240,8 @@ def rms_norm_forward(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llam
     eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
     with torch.no_grad():
         if type(x) is not torch.Tensor and _dtensor.is_dtensor(x):  # local shards, as in rms_norm
-            return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), kernel)
+            name = resolve_backend(x.device, backend)
+            return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, name, kernel, WIRING)
         return _forward(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), kernel)
 
 
@@ -326,6 +346,7 @@ def _fused_add_fwd_op(
     offset: float,
     casting_mode: str,
     backend: str,
+    wiring: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, res_out, rstd = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend)
     # A custom op cannot return an alias of another output: in "post" mode the caller returns y twice.
@@ -333,14 +354,14 @@ def _fused_add_fwd_op(
 
 
 @_fused_add_fwd_op.register_fake
-def _(x, residual, weight, eps, mode, offset, casting_mode, backend):
+def _(x, residual, weight, eps, mode, offset, casting_mode, backend, wiring):
     res_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if mode == "pre" else x.new_empty((0,))
     rstd = x.new_empty(x.shape[:-1], dtype=reference.compute_dtype(residual.dtype))
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), res_out, rstd
 
 
 def _fused_op_setup_context(ctx, inputs, output):
-    x, residual, weight, _eps, mode, offset, casting_mode, backend = inputs
+    x, residual, weight, _eps, mode, offset, casting_mode, backend, _wiring = inputs
     ctx.save_for_backward(*_fused_add_saved(x, residual, output[1], mode), weight, output[2])
     ctx.config = (mode, offset, casting_mode, backend)
     ctx.x_dtype = x.dtype
@@ -357,7 +378,7 @@ def _fused_op_backward(ctx, dy, dres, _drstd):
     ds, dw = _fused_add_backward(
         _bwd_op_with_optional_dw, a, b, weight, rstd, *ctx.config, dy, dres if mode == "pre" else None
     )
-    return ds.to(ctx.x_dtype), ds, dw, None, None, None, None, None
+    return ds.to(ctx.x_dtype), ds, dw, None, None, None, None, None, None
 
 
 _fused_add_fwd_op.register_autograd(_fused_op_backward, setup_context=_fused_op_setup_context)
@@ -383,7 +404,7 @@ def fused_add_rms_norm(
     name = resolve_backend(x.device, backend)
     if torch.compiler.is_compiling() or (type(x) is not torch.Tensor and _dtensor.is_dtensor(x)):
         _dtensor.register()  # as in rms_norm
-        y, res_out, _ = _fused_add_fwd_op(x, residual, weight, eps, mode, offset, casting_mode, name)
+        y, res_out, _ = _fused_add_fwd_op(x, residual, weight, eps, mode, offset, casting_mode, name, WIRING)
         return y, (res_out if mode == "pre" else y)
     needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
     if torch.is_grad_enabled() and needs_grad:

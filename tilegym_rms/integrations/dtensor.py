@@ -71,7 +71,7 @@ def register() -> bool:
         return None if weight is None else Replicate()
 
     @register_sharding(lib.rms_norm_fwd.default)
-    def _rms_norm_fwd(x, weight, eps, offset, casting_mode, backend, kernel):
+    def _rms_norm_fwd(x, weight, eps, offset, casting_mode, backend, kernel, wiring):
         w = weight_placement(weight)
         # (output placements [y, rstd], input placements [x, weight]) per acceptable strategy.
         rules = [([Replicate(), Replicate()], [Replicate(), w])]
@@ -89,7 +89,7 @@ def register() -> bool:
         return rules
 
     @register_sharding(lib.fused_add_rms_norm_fwd.default)
-    def _fused_add_fwd(x, residual, weight, eps, mode, offset, casting_mode, backend):
+    def _fused_add_fwd(x, residual, weight, eps, mode, offset, casting_mode, backend, wiring):
         w = weight_placement(weight)
 
         def outputs(p):
