@@ -4,7 +4,10 @@ Eager calls go through :class:`RMSNormFunction` / :class:`FusedAddRMSNormFunctio
 Functions: the least host work per call). Under ``torch.compile`` the same computation is reached
 through the custom ops ``tilegym_rms::rms_norm_fwd``, ``tilegym_rms::rms_norm_bwd`` and
 ``tilegym_rms::fused_add_rms_norm_fwd``, which have fake (meta) implementations and registered
-autograd, so a compiled model traces without graph breaks.
+autograd, so a compiled model traces without graph breaks. DTensor inputs take the custom ops in
+eager mode too: DTensor runs them on the local shards by the rules of
+:mod:`tilegym_rms.integrations.dtensor`. With ``create_graph=True`` the eager Functions compute the
+backward with differentiable torch math (double backward).
 """
 
 from __future__ import annotations

@@ -6,13 +6,8 @@ interpreter (``TRITON_INTERPRET=1``). Semantics are those of :mod:`tilegym_rms.r
 Importing this package never imports triton, torch_npu or triton-ascend: the kernels module is
 imported on first use, so :func:`available` can report what is missing instead of failing.
 
-Backend contract (called by the package dispatcher; ``x`` is 2-D ``(M, N)`` with unit column
-stride and any row stride):
-
-* :func:`forward` -> ``(y, rstd | None)``
-* :func:`backward` -> ``(dx, dw | None)``
-* :func:`fused_add_forward` -> ``(y, residual_out, rstd | None)``
-* :func:`available` -> ``(ok, reason)``
+Satisfies :class:`tilegym_rms.dispatch.Backend`, :class:`~tilegym_rms.dispatch.FusedAddBackend` and
+:class:`~tilegym_rms.dispatch.WorkspaceBackend`.
 """
 
 from __future__ import annotations
