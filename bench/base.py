@@ -39,12 +39,25 @@ PROVIDERS_ALL = (
     "tilegym_rms-cutile",
     "tilegym_rms-triton",
     "tilegym_rms-torch",
+    "tilegym_rms-unfused",
     "torch",
     "torch.compile",
     "liger",
     "tilegym",
+    "quack",
 )
 PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "tilegym_rms-triton", "torch", "torch.compile", "liger", "tilegym")
+# The residual add fused with RMSNorm (bench_rmsnorm.py --measure fused_add); these two run only there.
+FUSED_ADD_ONLY = ("tilegym_rms-unfused", "quack")
+FUSED_ADD_PROVIDERS_DEFAULT = (
+    "tilegym_rms-cutile",
+    "tilegym_rms-triton",
+    "tilegym_rms-unfused",
+    "torch",
+    "torch.compile",
+    "liger",
+    "quack",
+)
 
 METHOD_TEXT = {
     "profiler": "sum of device kernel+memcpy+memset durations (torch.profiler/CUPTI) per call",

@@ -19,7 +19,7 @@ except ImportError:  # run as a script: bench/ is on sys.path
 
 KERNEL_NAME = "rms_norm"
 JSON_NAME = "rms_norm.json"
-MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large")
+MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add")
 GRID_MEASURES = ("forward", "backward", "full")
 QUICK_DEFAULT_MEASURES = GRID_MEASURES
 
@@ -32,6 +32,13 @@ LARGE_N = (32768, 65536, 131072, 262144)
 QUICK_LATENCY_M = (1, 512)
 QUICK_ASCEND_RS = ((1, 4096), (1024, 4096))
 QUICK_LARGE_N = (32768, 131072)
+# The residual add fused with RMSNorm (issue #13), mode "pre": its own M x N grid unless --M/--N name one.
+FUSED_ADD_DTYPE = "bf16"
+FUSED_ADD_M = (4096, 32768)
+FUSED_ADD_N = (2048, 4096, 5120, 8192)
+QUICK_FUSED_ADD_M = (4096,)
+QUICK_FUSED_ADD_N = (2048, 8192)
+FUSED_ADD_OPS = ("fused_add_fwd", "fused_add_bwd")
 # The fixed suites: dtype unless --dtype names one, then the (M, N) shapes of a full run and of --quick.
 SUITES = {
     "latency": ("bf16", [(m, LATENCY_N) for m in LATENCY_M], [(m, LATENCY_N) for m in QUICK_LATENCY_M]),
@@ -55,11 +62,22 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
   ascend-rs  the ascend-rs suite: (M, N) in (1,768) (1,4096) (64,768) (64,4096) (1024,4096), fp32,
              ops forward and full.
   large      large hidden sizes: N in {32768, 65536, 131072, 262144} at M = 4096, bf16, ops forward, full.
-  An explicit --dtype also applies to latency, ascend-rs and large; --M/--N only to the grid measures.
+  fused_add  residual add fused with RMSNorm, mode "pre": (y, s) = provider(x, r, w), s = x + r,
+             y = rms_norm(s); M in {4096, 32768} x N in {2048, 4096, 5120, 8192}, bf16. Two ops:
+             fused_add_fwd  under torch.no_grad(); traffic = read x, r, w + write y, s, rstd (M fp32).
+             fused_add_bwd  the forward graph is built OUTSIDE the timed region; the timed call is
+                            torch.autograd.grad((y, s), (x, r, w), (dy, ds), retain_graph=True);
+                            traffic = read dy, ds, s, w, rstd (M fp32) + write dx (= dr), dw.
+  An explicit --dtype also applies to latency, ascend-rs, large and fused_add; --M/--N only to the grid
+  measures and fused_add.
 
 providers: tilegym_rms-cutile, tilegym_rms-triton (those available_backends() says can run), torch
 (eager F.rms_norm), torch.compile (Llama-style fp32 RMSNorm, dynamic=False), liger (LigerRMSNormFunction,
 casting 'llama', in_place False), tilegym (tilegym.ops.cutile.rms_norm); tilegym_rms-torch on request.
+fused_add providers: tilegym_rms-cutile, tilegym_rms-triton (tilegym_rms.fused_add_rms_norm, mode "pre"),
+tilegym_rms-unfused (x + r, then tilegym_rms.rms_norm), torch (eager x + r, F.rms_norm), torch.compile (of
+that function), liger (LigerFusedAddRMSNormFunction), quack (quack.rmsnorm.rmsnorm, residual=r,
+prenorm=True); tilegym_rms-torch on request. --providers applies to both lists.
 """
 
 EPILOG = """\
@@ -78,6 +96,7 @@ examples:
   python bench/bench_rmsnorm.py --measure forward,backward,full
   python bench/bench_rmsnorm.py --measure latency,ascend-rs,large
   python bench/bench_rmsnorm.py --measure full --dtype bf16 --M 32768 --providers tilegym_rms-cutile,liger
+  python bench/bench_rmsnorm.py --measure fused_add
 exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 """
 
@@ -103,6 +122,12 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, str, list[tuple[str, 
     for measure in args.measure:
         if measure in GRID_MEASURES:
             out.append((measure, measure, "grid", grid_configs(args.dtype, args.M, args.N)))
+            continue
+        if measure == "fused_add":
+            dtypes = args.dtype if args.explicit_dtype else [FUSED_ADD_DTYPE]
+            ms = args.M if args.explicit_M else (QUICK_FUSED_ADD_M if args.quick else FUSED_ADD_M)
+            ns = args.N if args.explicit_N else (QUICK_FUSED_ADD_N if args.quick else FUSED_ADD_N)
+            out += [(measure, op, measure, grid_configs(dtypes, list(ms), list(ns))) for op in FUSED_ADD_OPS]
             continue
         dtype, shapes, quick_shapes = SUITES[measure]
         dtypes = args.dtype if args.explicit_dtype else [dtype]
@@ -149,7 +174,23 @@ TITLES = {
     "latency": "RMSNorm eager latency per call",
     "ascend-rs": "RMSNorm ascend-rs suite",
     "large": "RMSNorm large hidden sizes",
+    "fused_add": "Residual add + RMSNorm (mode pre)",
 }
+OP_TITLES = {"fused_add_fwd": "forward", "fused_add_bwd": "backward (autograd)"}
+
+
+def split_providers(args: argparse.Namespace) -> None:
+    """--providers for the RMSNorm measures (rms_providers) and for fused_add (fused_providers); without
+    --providers each list has its own default. A list is empty when no measure needs it."""
+    rms = [m for m in args.measure if m != "fused_add"]
+    fused = "fused_add" in args.measure
+    if args.explicit_providers:
+        args.rms_providers = list(args.providers) if rms else []
+        args.fused_providers = list(args.providers) if fused else []
+    else:
+        args.rms_providers = list(base.PROVIDERS_DEFAULT) if rms else []
+        args.fused_providers = list(base.FUSED_ADD_PROVIDERS_DEFAULT) if fused else []
+        args.providers = list(dict.fromkeys(args.rms_providers + args.fused_providers))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = cli_args.finish_args(args)
     if args.latency_calls is None:
         args.latency_calls = 30 if args.quick else LATENCY_CALLS
+    split_providers(args)
     steps = plan(args)
     dry_run_plan = [(op, suite, configs) for _, op, suite, configs in steps]
     session = start_session(args, dry_run_plan, KERNEL_NAME, JSON_NAME)
@@ -178,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             title = f"latency, {op}"
         else:
             points = session.run_configs(op, suite, configs, label_for(suite))
-            title = f"{TITLES[measure]}" + (f", {op}" if suite != "grid" else "")
+            title = f"{TITLES[measure]}" + (f", {OP_TITLES.get(op, op)}" if suite != "grid" else "")
         session.print_table(title, points)
         last_of_measure = i + 1 == len(steps) or steps[i + 1][0] != measure
         if last_of_measure:

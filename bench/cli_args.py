@@ -105,6 +105,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on --quick."""
     args.explicit_dtype = args.dtype is not None
+    args.explicit_M = args.M is not None
+    args.explicit_N = args.N is not None
     if args.dtype is None:
         args.dtype = ["bf16"] if args.quick else list(base.DTYPES)
     if args.M is None:

@@ -20,7 +20,7 @@ except ImportError:  # run as a script: bench/ is on sys.path
 @dataclass
 class Provider:
     name: str
-    forward: Callable  # (x, w) -> y, autograd-capable
+    forward: Callable  # (x, w) -> y, autograd-capable; for fused-add providers (x, r, w) -> (y, residual_out)
     standalone_backward: Callable | None = None  # (x, dy, w, rstd) -> (dx, dw)
 
 
@@ -59,22 +59,28 @@ def import_tilegym_rms():
     return tilegym_rms, str(getattr(tilegym_rms, "__version__", "unknown")), ""
 
 
+def _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error):
+    """``(available_backends, module, error)``: the module becomes None when it cannot even be asked."""
+    if not any(n.startswith("tilegym_rms-") for n in names) or tilegym_rms is None:
+        return {}, tilegym_rms, tilegym_rms_error
+    try:
+        return tilegym_rms.available_backends(device), tilegym_rms, tilegym_rms_error
+    except Exception as exc:  # noqa: BLE001
+        return {}, None, f"available_backends failed: {base.short_error(exc)}"
+
+
 def discover_providers(
     names: list[str], device: torch.device, eps: float, tilegym_rms=None, tilegym_rms_error: str = ""
 ) -> tuple[list[Provider], dict[str, str]]:
     """The requested providers that can run on ``device``, and a reason for each skipped one."""
     found: list[Provider] = []
     skipped: dict[str, str] = {}
-    avail: dict = {}
-    if any(n.startswith("tilegym_rms-") for n in names) and tilegym_rms is not None:
-        try:
-            avail = tilegym_rms.available_backends(device)
-        except Exception as exc:  # noqa: BLE001
-            tilegym_rms_error = f"available_backends failed: {base.short_error(exc)}"
-            tilegym_rms = None
+    avail, tilegym_rms, tilegym_rms_error = _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error)
     for name in names:
         try:
-            if name.startswith("tilegym_rms-"):
+            if name in base.FUSED_ADD_ONLY:
+                skipped[name] = "a fused add + RMSNorm provider (--measure fused_add only)"
+            elif name.startswith("tilegym_rms-"):
                 backend = name.split("-", 1)[1]
                 if tilegym_rms is None:
                     skipped[name] = f"tilegym_rms not importable ({tilegym_rms_error})"
@@ -119,6 +125,77 @@ def discover_providers(
     return found, skipped
 
 
+def discover_fused_add_providers(
+    names: list[str], device: torch.device, eps: float, tilegym_rms=None, tilegym_rms_error: str = ""
+) -> tuple[list[Provider], dict[str, str]]:
+    """The requested providers of the residual add fused with RMSNorm (mode "pre") that can run on ``device``,
+    and a reason for each skipped one. Each ``forward`` is (x, r, w) -> (y, residual_out), autograd-capable."""
+    found: list[Provider] = []
+    skipped: dict[str, str] = {}
+    avail, tilegym_rms, tilegym_rms_error = _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error)
+    for name in names:
+        try:
+            if name.startswith("tilegym_rms-"):
+                backend = name.split("-", 1)[1]
+                if tilegym_rms is None:
+                    skipped[name] = f"tilegym_rms not importable ({tilegym_rms_error})"
+                    continue
+                if backend == "unfused":  # x + r, then the default backend's rms_norm
+
+                    def unfused(x, r, w, mod=tilegym_rms):
+                        s = x + r
+                        return mod.rms_norm(s, w, eps), s
+
+                    found.append(Provider(name, unfused))
+                    continue
+                ok, why = avail.get(backend, (False, "not reported by available_backends"))
+                if not ok:
+                    skipped[name] = why or "not available"
+                    continue
+
+                def fused(x, r, w, mod=tilegym_rms, backend=backend):
+                    return mod.fused_add_rms_norm(x, r, w, eps, mode="pre", backend=backend)
+
+                found.append(Provider(name, fused))
+            elif name == "torch":
+                found.append(Provider(name, eager_fused_add_rms_norm(eps)))
+            elif name == "torch.compile":
+                configure_compile()
+                found.append(Provider(name, torch.compile(eager_fused_add_rms_norm(eps), dynamic=False)))
+            elif name == "liger":
+                from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+
+                def liger(x, r, w, f=LigerFusedAddRMSNormFunction):
+                    return f.apply(x, r, w, eps, 0.0, "llama", False)
+
+                found.append(Provider(name, liger))
+            elif name == "quack":
+                from quack.rmsnorm import rmsnorm
+
+                def quack(x, r, w, f=rmsnorm):
+                    return f(x, w, eps=eps, residual=r, prenorm=True)
+
+                found.append(Provider(name, quack))
+            elif name == "tilegym":
+                skipped[name] = "no fused add + RMSNorm in tilegym"
+            else:
+                skipped[name] = "unknown provider"
+        except Exception as exc:  # noqa: BLE001 - an absent or broken peer is skipped, not fatal
+            skipped[name] = base.short_error(exc)
+    return found, skipped
+
+
+def eager_fused_add_rms_norm(eps: float) -> Callable:
+    """(x, r, w) -> (y, s): ``s = x + r; y = F.rms_norm(s, (N,), w, eps)`` (eps a closure constant, so that a
+    compiled graph specializes on it)."""
+
+    def fused_add(x, r, w):
+        s = x + r
+        return torch.nn.functional.rms_norm(s, (s.shape[-1],), w, eps), s
+
+    return fused_add
+
+
 def _tilegym_rms_provider(name: str, mod, backend: str, eps: float) -> Provider:
     def forward(x, w):
         return mod.rms_norm(x, w, eps, backend=backend)
@@ -138,7 +215,18 @@ class InputSets:
     """``n`` independent (x, w, dy, rstd) sets of one shape; ``xg``/``wg`` are grad-requiring leaves that share
     the storage of ``x``/``w``."""
 
-    def __init__(self, m: int, n_cols: int, dtype, device, n: int, seed: int, eps: float, need_dy: bool = True):
+    def __init__(
+        self,
+        m: int,
+        n_cols: int,
+        dtype,
+        device,
+        n: int,
+        seed: int,
+        eps: float,
+        need_dy: bool = True,
+        need_residual: bool = False,
+    ):
         g = torch.Generator(device=device)
         g.manual_seed(seed)
         self.n = n
@@ -148,6 +236,15 @@ class InputSets:
             for _ in range(n)
         ]
         self.dy = [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)] if need_dy else []
+        # fused add: the residual r and, for the backward, the gradient of residual_out
+        self.r = (
+            [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)] if need_residual else []
+        )
+        self.dres = (
+            [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)]
+            if need_residual and need_dy
+            else []
+        )
         self.eps = eps
 
     # Built on first use only: forward-only runs never need rstd or grad-requiring leaves.
@@ -163,6 +260,10 @@ class InputSets:
     def wg(self) -> list[torch.Tensor]:
         return [w.detach().requires_grad_(True) for w in self.w]
 
+    @cached_property
+    def rg(self) -> list[torch.Tensor]:
+        return [r.detach().requires_grad_(True) for r in self.r]
+
 
 def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[int], dict], str]:
     """``call(i)`` running ``op`` on set ``i`` and returning its outputs by name, and a note on how.
@@ -170,7 +271,28 @@ def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[
     forward: under no_grad. backward/autograd: the forward graphs of all sets are built here (outside any timed
     region) and ``call`` replays ``torch.autograd.grad(y, (x, w), dy, retain_graph=True)``. standalone: the
     provider's standalone backward, or the autograd backward when it has none. full: forward + autograd.grad.
+    fused_add_fwd: ``(y, residual_out) = provider(x, r, w)`` under no_grad. fused_add_bwd: the forward graphs are
+    built here and ``call`` replays ``torch.autograd.grad((y, residual_out), (x, r, w), (dy, dres),
+    retain_graph=True)``.
     """
+    if op == "fused_add_fwd":
+
+        def call_fused_fwd(i):
+            with torch.no_grad():
+                y, res = provider.forward(sets.x[i], sets.r[i], sets.w[i])
+            return {"y": y, "res": res}
+
+        return call_fused_fwd, ""
+    if op == "fused_add_bwd":
+        outs = [provider.forward(sets.xg[i], sets.rg[i], sets.wg[i]) for i in range(sets.n)]
+
+        def call_fused_bwd(i):
+            dx, dr, dw = torch.autograd.grad(
+                outs[i], (sets.xg[i], sets.rg[i], sets.wg[i]), (sets.dy[i], sets.dres[i]), retain_graph=True
+            )
+            return {"dx": dx, "dr": dr, "dw": dw}
+
+        return call_fused_bwd, ""
     if op == "forward":
 
         def call_fwd(i):
@@ -213,6 +335,63 @@ def relative_errors(
     from tilegym_rms.testing import chunked_errors
 
     return chunked_errors(x, w, dy, outputs, eps=eps, chunk_elems=1 << 25)
+
+
+def output_errors(op: str, sets: InputSets, eps: float, outputs: dict) -> dict[str, float]:
+    """Relative errors of ``outputs`` (of ``op`` on set 0) against float64 math."""
+    if op in ("fused_add_fwd", "fused_add_bwd"):
+        dy = sets.dy[0] if sets.dy else None
+        dres = sets.dres[0] if sets.dres else None
+        return fused_add_errors(sets.x[0], sets.r[0], sets.w[0], eps, outputs, dy, dres)
+    return relative_errors(sets.x[0], sets.w[0], eps, outputs, sets.dy[0] if sets.dy else None)
+
+
+def fused_add_errors(
+    x: torch.Tensor,
+    r: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    outputs: dict,
+    dy: torch.Tensor | None = None,
+    dres: torch.Tensor | None = None,
+    chunk_elems: int = 1 << 25,
+) -> dict[str, float]:
+    """Relative errors (||got - ref|| / ||ref||) of the fused add + RMSNorm outputs present in ``outputs`` (``y``,
+    ``res``; ``dx``, ``dr``, ``dw``) against ``tilegym_rms.reference.fused_add_rms_norm_forward`` (mode "pre") in
+    float64 and its float64 autograd gradients for (dy, dres), in row chunks to bound memory."""
+    from tilegym_rms import reference
+
+    n = x.shape[-1]
+    x2, r2 = x.reshape(-1, n), r.reshape(-1, n)
+    rows_outs = {k: v.reshape(-1, n) for k, v in outputs.items() if k in ("y", "res", "dx", "dr")}
+    need_grad = any(k in outputs for k in ("dx", "dr", "dw"))
+    w64 = w.detach().double().requires_grad_(need_grad)
+    sq = {k: [0.0, 0.0] for k in rows_outs}
+    dw_ref = torch.zeros(n, dtype=torch.float64, device=x.device)
+    step = max(1, chunk_elems // max(n, 1))
+    for start in range(0, x2.shape[0], step):
+        rows = slice(start, start + step)
+        with torch.enable_grad():
+            xc = x2[rows].detach().double().requires_grad_(need_grad)
+            rc = r2[rows].detach().double().requires_grad_(need_grad)
+            y_ref, res_ref, _ = reference.fused_add_rms_norm_forward(xc, rc, w64, eps, mode="pre")
+            refs = {"y": y_ref.detach(), "res": res_ref.detach()}
+            if need_grad:
+                grads = (dy.reshape(-1, n)[rows].double(), dres.reshape(-1, n)[rows].double())
+                dx_ref, dr_ref, dw_part = torch.autograd.grad((y_ref, res_ref), (xc, rc, w64), grads)
+                refs["dx"], refs["dr"] = dx_ref, dr_ref
+                dw_ref += dw_part
+        for k, out in rows_outs.items():
+            got = out[rows].detach().double()
+            sq[k][0] += (got - refs[k]).square().sum().item()
+            sq[k][1] += refs[k].square().sum().item()
+    errs = {k: ((e / d) ** 0.5 if d > 0 else e**0.5) for k, (e, d) in sq.items()}
+    if outputs.get("dw") is not None:
+        got = outputs["dw"].detach().double().reshape(-1)
+        denom = dw_ref.square().sum().item()
+        diff = (got - dw_ref).square().sum().item()
+        errs["dw"] = (diff / denom) ** 0.5 if denom > 0 else diff**0.5
+    return errs
 
 
 def check_ok(errs: dict[str, float], dtype_name: str) -> bool:

@@ -58,6 +58,9 @@ class Session:
         self.out_dir = Path(out) / "quick" if (args.quick and args.out is None) else Path(out)
         self.providers: list[providers.Provider] = []
         self.skipped: dict[str, str] = {}
+        # residual add fused with RMSNorm: providers with forward (x, r, w) -> (y, residual_out)
+        self.fused_providers: list[providers.Provider] = []
+        self.fused_skipped: dict[str, str] = {}
         self.aborted = False
         self.extra_points: list[tuple] = []  # free-form extras a script records (e.g. workspace sizes)
 
@@ -72,12 +75,23 @@ class Session:
         )
         print("  " + self.timer.calibrate())
         self.measure_copy()
-        self.providers, self.skipped = providers.discover_providers(
-            self.args.providers, self.device, self.args.eps, self.mod, self.mod_error
-        )
-        for name, why in self.skipped.items():
-            print(f"  provider {name} skipped: {why}")
-        print(f"  providers: {', '.join(p.name for p in self.providers) or '(none)'}")
+        # a script may split its providers: rms_providers for RMSNorm ops, fused_providers for the fused add
+        rms_names = getattr(self.args, "rms_providers", self.args.providers)
+        fused_names = getattr(self.args, "fused_providers", None) or []
+        if rms_names:
+            self.providers, self.skipped = providers.discover_providers(
+                rms_names, self.device, self.args.eps, self.mod, self.mod_error
+            )
+            for name, why in self.skipped.items():
+                print(f"  provider {name} skipped: {why}")
+            print(f"  providers: {', '.join(p.name for p in self.providers) or '(none)'}")
+        if fused_names:
+            self.fused_providers, self.fused_skipped = providers.discover_fused_add_providers(
+                fused_names, self.device, self.args.eps, self.mod, self.mod_error
+            )
+            for name, why in self.fused_skipped.items():
+                print(f"  fused add provider {name} skipped: {why}")
+            print(f"  fused add providers: {', '.join(p.name for p in self.fused_providers) or '(none)'}")
         print(f"  results: {self.out_dir}", flush=True)
 
     def measure_copy(self) -> None:
@@ -116,7 +130,7 @@ class Session:
         call, p.note = providers.build_call(p.op, provider, sets)
         out = call(0)
         timing.sync(self.device)
-        p.errs = providers.relative_errors(sets.x[0], sets.w[0], self.args.eps, out, sets.dy[0] if sets.dy else None)
+        p.errs = providers.output_errors(p.op, sets, self.args.eps, out)
         p.ok = providers.check_ok(p.errs, p.dtype)
         return call
 
@@ -183,9 +197,10 @@ class Session:
         skip: tuple[str, ...] = (),
     ) -> list[records.Point]:
         """Measure every provider on every (dtype, M, N) in ``configs`` for ``op``; ``label`` gives
-        (x_name, x_label, x_value, extra) of a configuration."""
+        (x_name, x_label, x_value, extra) of a configuration. The fused-add ops run the fused-add providers."""
         points: list[records.Point] = []
-        chosen = [p for p in self.providers if p.name not in skip]
+        fused = op in traffic.FUSED_ADD_OPS
+        chosen = [p for p in self.providers_for(op) if p.name not in skip]
         total = len(configs) * len(chosen)
         idx = 0
         for dtype_name, m, n in configs:
@@ -198,8 +213,9 @@ class Session:
             err = ""
             try:
                 sets = providers.InputSets(
-                    m, n, dtype, self.device, n_sets, self.args.seed, self.args.eps, need_dy=op != "forward"
-                )
+                    m, n, dtype, self.device, n_sets, self.args.seed, self.args.eps,
+                    need_dy=op not in ("forward", "fused_add_fwd"), need_residual=fused,
+                )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the largest shapes
                 err = base.short_error(exc)
             for provider in chosen:
@@ -260,6 +276,9 @@ class Session:
             self.save()
         return points
 
+    def providers_for(self, op: str) -> list[providers.Provider]:
+        return self.fused_providers if op in traffic.FUSED_ADD_OPS else self.providers
+
     def keep(self, p: records.Point, points: list[records.Point], idx: int, total: int) -> None:
         """A finished point joins the loop's list and the session's, and gets its progress line."""
         points.append(p)
@@ -272,7 +291,7 @@ class Session:
 
     # -- output
     def print_table(self, title: str, points: list[records.Point], with_time: bool = True) -> None:
-        names = [p.name for p in self.providers]
+        names = [p.name for p in self.providers_for(points[0].op if points else "")]
         print()
         print(f"== {title}")
         if points and points[0].metric == "latency":
@@ -351,7 +370,7 @@ def start_session(args, dry_run_plan, kernel_name: str, json_name: str):
         return code
     session = Session(args, kernel_name, json_name)
     session.start()
-    if not session.providers:
+    if not session.providers and not session.fused_providers:
         print("no provider can run; nothing to do", file=sys.stderr)
         return 2
     return session

@@ -194,3 +194,35 @@ def test_session_checks_and_times_each_provider(tmp_path, monkeypatch):
     assert set(timed[0].errs) == {"y", "dx", "dw"} and not run.aborted
     saved = json.loads((tmp_path / "k.json").read_text())
     assert {r["metric_name"] for r in saved} == {"throughput", "speed", "latency"}
+
+
+def test_fused_add_bytes_and_check():
+    m, n = 4096, 2048
+    assert traffic.op_bytes("fused_add_fwd", m, n, 2) == 4 * m * n * 2 + n * 2 + 4 * m
+    assert traffic.op_bytes("fused_add_bwd", m, n, 2) == 4 * m * n * 2 + 2 * n * 2 + 4 * m
+    g = torch.Generator().manual_seed(0)
+    x, r, dy, dres = (torch.randn(50, 64, generator=g).to(torch.bfloat16) for _ in range(4))
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    y, s = providers.eager_fused_add_rms_norm(1e-6)(x, r, w)
+    errs = providers.fused_add_errors(x, r, w, 1e-6, {"y": y, "res": s}, chunk_elems=64 * 16)
+    assert providers.check_ok(errs, "bf16"), errs
+    assert not providers.check_ok(providers.fused_add_errors(x, r, w, 1e-6, {"res": s * 1.05}), "bf16")
+
+
+def test_fused_add_measure_cpu_mode(tmp_path, monkeypatch, capsys):
+    """--measure fused_add in the CPU test mode: forward and backward points, each checked ok."""
+    monkeypatch.setenv(base.CPU_ENV, "1")
+    import bench_rmsnorm
+
+    argv = ["--measure", "fused_add", "--M", "64", "--N", "256", "--reps", "2", "--out", str(tmp_path)]
+    argv += ["--providers", "tilegym_rms-torch,tilegym_rms-unfused,torch,quack", "--no-plot"]
+    assert bench_rmsnorm.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "backward (autograd)" in out and "fused add provider quack skipped" in out
+    saved = [r for r in json.loads((tmp_path / "rms_norm.json").read_text()) if r["metric_name"] == "throughput"]
+    assert {r["kernel_operation_mode"] for r in saved} == {"fused_add_fwd", "fused_add_bwd"}
+    assert {r["kernel_provider"] for r in saved} == {"tilegym_rms-torch", "tilegym_rms-unfused", "torch"}
+    for rec in saved:
+        assert json.loads(rec["extra_benchmark_config_str"])["suite"] == "fused_add"
+        assert rec["x_values"] == [256] and not rec.get("mismatch_x_values")
+        assert all(0 <= e <= base.TOLERANCE["bf16"] for e in rec["rel_err"])

@@ -28,7 +28,28 @@ def full_bytes(m: int, n: int, elt: int, w_elt: int | None = None) -> int:
     return forward_bytes(m, n, elt, w_elt) + 4 * m + backward_bytes(m, n, elt, w_elt)
 
 
+def fused_add_forward_bytes(m: int, n: int, elt: int, w_elt: int | None = None) -> int:
+    """Minimal fused residual-add + RMSNorm forward traffic (mode "pre"): read x, residual (M*N each) and w (N);
+    write y, residual_out = x + residual (M*N each) and rstd (M fp32)."""
+    w_elt = elt if w_elt is None else w_elt
+    return (2 + 2) * m * n * elt + n * w_elt + 4 * m
+
+
+def fused_add_backward_bytes(m: int, n: int, elt: int, w_elt: int | None = None) -> int:
+    """Minimal fused residual-add + RMSNorm backward traffic (mode "pre"): read dy, d_residual_out, the saved sum s
+    (M*N each), w (N), rstd (M fp32); write ds (M*N; dx and dresidual are both ds) and dw (N)."""
+    w_elt = elt if w_elt is None else w_elt
+    return (3 + 1) * m * n * elt + 2 * n * w_elt + 4 * m
+
+
+FUSED_ADD_OPS = ("fused_add_fwd", "fused_add_bwd")
+
+
 def op_bytes(op: str, m: int, n: int, elt: int) -> int:
+    if op == "fused_add_fwd":
+        return fused_add_forward_bytes(m, n, elt)
+    if op == "fused_add_bwd":
+        return fused_add_backward_bytes(m, n, elt)
     if op == "forward":
         return forward_bytes(m, n, elt)
     if op in ("backward", "standalone", "autograd"):
@@ -40,6 +61,10 @@ def op_bytes(op: str, m: int, n: int, elt: int) -> int:
 
 def read_bytes(op: str, m: int, n: int, elt: int) -> int:
     """Bytes one call reads from its input set (what the rotation has to push out of L2)."""
+    if op == "fused_add_fwd":
+        return 2 * m * n * elt + n * elt
+    if op == "fused_add_bwd":
+        return 3 * m * n * elt + n * elt + 4 * m
     if op == "forward":
         return m * n * elt + n * elt
     if op in ("backward", "standalone", "autograd"):
