@@ -241,11 +241,11 @@ def rms_norm_forward(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llam
     """Forward without autograd: returns ``(y, rstd)``, ``rstd`` fp32 of shape ``x.shape[:-1]``
     (what :func:`rms_norm_backward` takes; fp64 for fp64 ``x``). Arguments as :func:`rms_norm`."""
     eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
+    name = resolve_backend(x.device, backend)
     with torch.no_grad():
         if type(x) is not torch.Tensor and _dtensor.is_dtensor(x):  # local shards, as in rms_norm
-            name = resolve_backend(x.device, backend)
             return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, name, kernel, WIRING)
-        return _forward(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), kernel)
+        return _forward(x, weight, eps, offset, casting_mode, name, kernel)
 
 
 def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode="llama", backend=None):
@@ -256,11 +256,11 @@ def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode="llama", 
     _, offset = _checks.check_inputs(x, weight, 0.0, offset, casting_mode)
     _checks.check_like("dy", dy, x)
     _checks.check_rstd(rstd, x)
+    name = resolve_backend(x.device, backend)
     with torch.no_grad():
         if type(x) is not torch.Tensor and _dtensor.is_dtensor(x):  # local shards, as in rms_norm
-            name = resolve_backend(x.device, backend)
             return _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, name)
-        return _backward(x, dy, weight, rstd, offset, casting_mode, resolve_backend(x.device, backend))
+        return _backward(x, dy, weight, rstd, offset, casting_mode, name)
 
 
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, backend: str, device=None) -> int:
