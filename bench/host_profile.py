@@ -78,7 +78,7 @@ def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
         ("rms_norm, no grad", lambda: _no_grad(tilegym_rms.rms_norm, x, w)),
         ("F.rms_norm, no grad", lambda: _no_grad(F.rms_norm, x, (n,), w, 1e-6)),
         ("rms_norm_backward (standalone)", lambda: tilegym_rms.rms_norm_backward(x, dy, w, rstd)),
-        ("tilegym_rms.cutile.backward (host module)", lambda: _cutile().backward(dy, x, w, rstd, 0.0, "llama")),
+        ("tilegym_rms.cutile.backward (host module)", lambda: _cutile().backward(x, dy, w, rstd, 0.0, "llama")),
         ("F.rms_norm forward + autograd.grad", fwd_bwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6))),
         ("floor: Python Function (empty_like only) + grad", fwd_bwd(_EmptyFunction.apply)),
         ("rms_norm forward + autograd.grad", fwd_bwd(lambda a, b: tilegym_rms.rms_norm(a, b))),

@@ -70,7 +70,7 @@ def _inputs(op: str, m: int, n: int, dtype: torch.dtype, device: torch.device):
 def _call(cutile, op, w):
     if op == "forward":
         return lambda s: cutile.forward(s[0], w, 1e-6, 0.0, "llama")
-    return lambda s: cutile.backward(s[1], s[0], w, s[2], 0.0, "llama")
+    return lambda s: cutile.backward(s[0], s[1], w, s[2], 0.0, "llama")
 
 
 def _time_us(timer: timing.Timer, fn, sets, reps: int) -> float:

@@ -211,7 +211,7 @@ def test_cutile_host_hands_kernels_detached_tensors(monkeypatch):
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
     try:
         y, rstd = cutile.forward(x, w, 1e-6, 0.0, "llama")
-        cutile.backward(torch.randn(4, 8, requires_grad=True), x, w, rstd, 0.0, "llama")
+        cutile.backward(x, torch.randn(4, 8, requires_grad=True), w, rstd, 0.0, "llama")
     finally:
         cutile.clear_caches()
     tensors = [a for args in seen for a in args if isinstance(a, torch.Tensor)]
