@@ -154,8 +154,6 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, kernel=Non
     :class:`tilegym_rms.dispatch.Backend`. ``kernel``: one of :data:`FORWARD_KERNELS`, None chooses."""
     m, n = x.shape
     y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
-    if m == 0:
-        return y, (x.new_empty((0,), dtype=torch.float32) if store_rstd else None)
     dev = x.get_device()
     plan = _forward_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd)
     rstd = x.new_empty((m,), dtype=torch.float32) if plan.allocates_rstd else None
@@ -177,8 +175,6 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
     m, n = x.shape
     dx = torch.empty_like(x)
     has_w = weight is not None
-    if m == 0:
-        return dx, (torch.zeros_like(weight) if has_w else None)
     k, launch = _kernels(), _launch()
     dev = x.get_device()
     cfg = _backward_config(dev, m, n, x.dtype)

@@ -130,8 +130,6 @@ def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, st
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     res_out = torch.empty((M, N), dtype=x.dtype, device=x.device) if store_residual else y
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device) if store_rstd else None
-    if M == 0:
-        return y, res_out, rstd
     k = _kernels()
     p = plan(M, N, x.dtype, op, path)
     grid, tasks_per_program = _schedule(p, x.device)
@@ -222,8 +220,6 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
     M, N = x.shape
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
     has_w = weight is not None
-    if M == 0:
-        return dx, (torch.zeros_like(weight) if has_w else None)
     k = _kernels()
     rstd = rstd.to(torch.float32).contiguous()
     p = plan(M, N, x.dtype, "backward")
