@@ -46,7 +46,6 @@ import json
 import math
 import os
 import platform
-import re
 import signal
 import statistics
 import subprocess
@@ -138,13 +137,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def gpu_slug(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200' (the naming of bench/results/)."""
-    m = re.search(r"(?<![A-Z0-9])([A-Z]{1,2}\d{2,4}[A-Z]?)(?![A-Z0-9])", name.upper())
-    if m:
-        return m.group(1).lower()
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    return re.sub(r"^nvidia-", "", slug) or "unknown-gpu"
+def _gpu_slug(name: str) -> str:
+    """The results folder of a card (bench/session.py's naming), imported only when a GPU run writes there."""
+    try:
+        from .session import gpu_slug
+    except ImportError:  # run as a script: bench/ is on sys.path
+        from session import gpu_slug
+    return gpu_slug(name)
 
 
 def model_config(model: str, args: argparse.Namespace) -> dict:
@@ -586,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         md = args.out
     elif meta["cuda"]:
-        md = BENCH_DIR / "results" / gpu_slug(meta["device_name"]) / "model_step.md"
+        md = BENCH_DIR / "results" / _gpu_slug(meta["device_name"]) / "model_step.md"
     else:
         # A CPU run only tests the script: keep it out of bench/results/.
         md = Path(tempfile.gettempdir()) / "tilegym_rms_bench_model" / "model_step.md"

@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import tilegym_rms
+from tilegym_rms.testing import rel_err
 
 LAYOUTS = ("tp", "fsdp", "fsdp+tp")
 
@@ -215,11 +216,6 @@ def train(model, batches, lr, on_first_grads=None):
     return losses
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def record_norm_inputs(model):
     """Which kinds of tensor the norms were given (a DTensor and its placements, or a plain tensor)."""
     seen = set()
@@ -259,9 +255,9 @@ def run_layout(layout, reference, ref, batches, args, device):
 
     ref_losses = torch.stack(ref.losses)
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses.tolist(), ref_losses.tolist(), strict=True))
-    grad_diff = max(rel(grads[name], ref.grads[name]) for name in ref.grads)
+    grad_diff = max(rel_err(grads[name], ref.grads[name]) for name in ref.grads)
     params_after = {name: full(p.detach()) for name, p in model.named_parameters()}
-    param_diff = max(rel(params_after[n], ref.params[n]) for n in ref.params)
+    param_diff = max(rel_err(params_after[n], ref.params[n]) for n in ref.params)
     ok = loss_diff <= args.tol and grad_diff <= args.tol and param_diff <= args.tol
     if rank == 0:
         print(f"[{layout}] norm inputs: {', '.join(sorted(seen))}")

@@ -420,7 +420,7 @@ def recording_launches():
         launch_module.notify_launch = original
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
     """``max |out - ref| / (|ref| + rms(scale))`` (scale: ``ref``), NaN when ``out`` is not finite."""
     if out.shape != ref.shape:
         raise AssertionError(f"shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
@@ -441,7 +441,7 @@ def run_case(case: Case, p: Plan, device: torch.device) -> dict[str, float]:
         args = (partial, dw, p.red.tile_g, p.red.tile_n)
         cutile._launch()(cutile._kernels().rms_norm_dw_reduce, (p.red.grid,), args, dev)
         torch.cuda.synchronize(device)
-        return {"dw": rel_err(dw, partial.double().sum(0))}
+        return {"dw": max_rel_err(dw, partial.double().sum(0))}
 
     x = torch.randn(m, n, dtype=dtype, device=device, generator=gen)
     w = (torch.rand(n, device=device, generator=gen) + 0.5).to(dtype) if case.has_w else None
@@ -450,9 +450,9 @@ def run_case(case: Case, p: Plan, device: torch.device) -> dict[str, float]:
     if case.cls.op == "forward":
         y, rstd = cutile.forward(x, w, EPS, OFFSET, CASTING, store_rstd=case.cls.store_rstd, kernel=case.cls.kernel)
         torch.cuda.synchronize(device)
-        errs = {"y": rel_err(y, y_ref)}
+        errs = {"y": max_rel_err(y, y_ref)}
         if case.cls.store_rstd:
-            errs["rstd"] = rel_err(rstd, rstd_ref)
+            errs["rstd"] = max_rel_err(rstd, rstd_ref)
         elif rstd is not None:
             raise AssertionError("rstd returned with store_rstd=False")
         return errs
@@ -464,14 +464,14 @@ def run_case(case: Case, p: Plan, device: torch.device) -> dict[str, float]:
     dy64, rstd64 = dy.double(), rstd.double()
     dx_ref, dw_ref = reference.rms_norm_backward(x64, dy64, w64, rstd64, OFFSET)
     g = dy64 if w64 is None else dy64 * (w64 + OFFSET)
-    errs = {"dx": rel_err(dx, dx_ref, rstd64.unsqueeze(-1) * g)}
+    errs = {"dx": max_rel_err(dx, dx_ref, rstd64.unsqueeze(-1) * g)}
     if w is None:
         if dw is not None:
             raise AssertionError("dw returned without a weight")
     else:
         if dw.dtype != w.dtype:
             raise AssertionError(f"dw is {dw.dtype}, the weight {w.dtype}")
-        errs["dw"] = rel_err(dw, dw_ref)
+        errs["dw"] = max_rel_err(dw, dw_ref)
     return errs
 
 

@@ -79,20 +79,20 @@ class Session:
         rms_names = getattr(self.args, "rms_providers", self.args.providers)
         fused_names = getattr(self.args, "fused_providers", None) or []
         if rms_names:
-            self.providers, self.skipped = providers.discover_providers(
-                rms_names, self.device, self.args.eps, self.mod, self.mod_error
-            )
-            for name, why in self.skipped.items():
-                print(f"  provider {name} skipped: {why}")
-            print(f"  providers: {', '.join(p.name for p in self.providers) or '(none)'}")
+            self.providers, self.skipped = self._discover(providers.discover_providers, rms_names, "")
         if fused_names:
-            self.fused_providers, self.fused_skipped = providers.discover_fused_add_providers(
-                fused_names, self.device, self.args.eps, self.mod, self.mod_error
+            self.fused_providers, self.fused_skipped = self._discover(
+                providers.discover_fused_add_providers, fused_names, "fused add "
             )
-            for name, why in self.fused_skipped.items():
-                print(f"  fused add provider {name} skipped: {why}")
-            print(f"  fused add providers: {', '.join(p.name for p in self.fused_providers) or '(none)'}")
         print(f"  results: {self.out_dir}", flush=True)
+
+    def _discover(self, discover, names: list[str], label: str):
+        """``discover``'s (found, skipped) providers among ``names``, each skip and the result printed."""
+        found, skipped = discover(names, self.device, self.args.eps, self.mod, self.mod_error)
+        for name, why in skipped.items():
+            print(f"  {label}provider {name} skipped: {why}")
+        print(f"  {label}providers: {', '.join(p.name for p in found) or '(none)'}")
+        return found, skipped
 
     def measure_copy(self) -> None:
         nbytes = base.COPY_BYTES if not self.cpu_mode else 2**24
