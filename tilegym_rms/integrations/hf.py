@@ -545,7 +545,7 @@ def _kernels_kind(cls):
 
 def _kernels_layer_forward(module, hidden_states):
     cls = type(module)
-    kind = _KERNELS_KINDS.get(cls) if cls in _KERNELS_KINDS else _kernels_kind(cls)
+    kind = _kernels_kind(cls)
     if kind is None:
         # "RMSNorm" also tags classes of formulas we do not know: their own forward is still the class's
         # (kernelize replaces the instance's).
