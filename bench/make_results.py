@@ -239,12 +239,23 @@ def rel(path: Path, out_dir: Path) -> str:
     return Path(os.path.relpath(path, out_dir)).as_posix()
 
 
+def _links(label: str, paths: list[Path], out_path: Path) -> str:
+    return f"{label}: " + ", ".join(f"[{p.name}]({rel(p, out_path.parent)})" for p in paths)
+
+
 def render(results_dir: Path = RESULTS_DIR, out_path: Path = RESULTS_MD) -> str:
     """The text of RESULTS.md for the JSON under ``results_dir`` (links relative to ``out_path``)."""
     out = [HEADER]
     for card_dir in sorted(p for p in results_dir.iterdir() if p.is_dir()):
-        files = sorted(card_dir.glob("*.json"))
+        # Kernel benchmarks write lists of records; other runs (bench_model.py, logs) keep their own
+        # report next to their JSON and are only linked.
+        files, reports = [], []
+        for path in sorted(card_dir.glob("*.json")):
+            (files if isinstance(json.loads(path.read_text()), list) else reports).append(path)
+        reports += sorted(card_dir.glob("*.md")) + sorted(card_dir.glob("*.log"))
         if not files:
+            if reports:
+                out += [f"## `{rel(card_dir, out_path.parent)}/`", "", _links("Other runs", reports, out_path), ""]
             continue
         gpus = sorted({r["gpu_name"] for f in files for r in json.loads(f.read_text())})
         out += [f"## {', '.join(gpus)} (`{rel(card_dir, out_path.parent)}/`)", ""]
@@ -255,7 +266,9 @@ def render(results_dir: Path = RESULTS_DIR, out_path: Path = RESULTS_MD) -> str:
             linked |= seen
         others = [p for p in sorted(card_dir.glob("*.png")) if p.name not in linked]
         if others:
-            out += ["Other plots: " + ", ".join(f"[{p.name}]({rel(p, out_path.parent)})" for p in others), ""]
+            out += [_links("Other plots", others, out_path), ""]
+        if reports:
+            out += [_links("Other runs", reports, out_path), ""]
     return "\n".join(out).rstrip() + "\n"
 
 

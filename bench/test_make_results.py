@@ -22,7 +22,7 @@ def test_results_md_is_up_to_date():
 def test_every_committed_file_is_linked():
     text = make_results.RESULTS_MD.read_text()
     for path in sorted(make_results.RESULTS_DIR.glob("*/*")):
-        if path.suffix in (".json", ".png"):
+        if path.suffix in (".json", ".png", ".md", ".log"):
             assert f"(results/{path.parent.name}/{path.name})" in text, path
 
 
