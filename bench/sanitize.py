@@ -25,11 +25,12 @@ Classes (``--kernels`` takes class names, kernel names, ``forward``, ``backward`
 * ``dw_reduce``: ``rms_norm_dw_reduce`` alone, on fp32 partial buffers of odd row counts (M is their rows).
 
 The backward has no public switch between its plans, so the script forces one the way ``bench/tune_cutile.py``
-sweeps: it overrides the heuristics' thresholds that route between plans (``config.override``) and clears the
-host caches (``tilegym_rms.cutile.clear_caches``) around the case; the plan itself still comes from the
-product's ``_backward_config``. No product file is patched. Compile-time constants depend on N, the dtype and
-the weight, never on M, and a forced plan keeps the product's tiles, so forcing a class onto a shape the
-product would route elsewhere compiles nothing new. Each line says how its class was reached: ``picked``
+sweeps: it overrides the heuristics' thresholds that route between plans (``config.override``, the tuning
+table off) and clears the host caches (``tilegym_rms.cutile.clear_caches``) around the case; the plan itself
+still comes from the product's ``_backward_config``. No product file is patched. Compile-time constants depend
+on N, the dtype and the weight, never on M, and a forced plan keeps the product's tiles, so forcing a class
+onto a shape the product would route elsewhere compiles nothing new. Each line says how its class was reached:
+``picked``
 (what the product launches for that call), ``kernel=`` (the forward's ``kernel`` argument) or ``forced``.
 
 Shapes: M in {1, 7, 4097}; N in {1, 3, 1000, 5120, 10001, 12288, 20000, 65537}, each class on the widths it
@@ -99,7 +100,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # `python bench/sanit
 
 import tilegym_rms.cutile as cutile  # noqa: E402
 from tilegym_rms import reference  # noqa: E402
-from tilegym_rms.cutile import config  # noqa: E402
+from tilegym_rms.cutile import config, tuning  # noqa: E402
 from tilegym_rms.experimental import kernel_name  # noqa: E402
 
 M_VALUES = (1, 7, 4097)
@@ -256,11 +257,12 @@ class Plan:
 
 @contextlib.contextmanager
 def overridden(patch):
-    """Heuristics parameters set to force a plan, with the host caches cleared on the way in and out."""
+    """Heuristics parameters set to force a plan, with the host caches cleared on the way in and out. The
+    tuning table is off meanwhile: its winner would not see the patch."""
     if not patch:
         yield
         return
-    with config.override(**dict(patch)):
+    with tuning.use_table(None), config.override(**dict(patch)):
         cutile.clear_caches()
         try:
             yield
@@ -587,6 +589,7 @@ def main(argv=None) -> int:
 
         # The host asks the launch module for the SM count; without a GPU there is none to ask.
         launch_module.num_sms = lambda device_index: ASSUMED_SMS
+        tuning.device_key = lambda device_index: f"sm90_{ASSUMED_SMS}sm"  # and its table
         dev, sms = 0, f"{ASSUMED_SMS} SMs (assumed: no GPU)"
     elif not gpu:
         print("sanitize.py needs a CUDA GPU (--list works without one)", file=sys.stderr)

@@ -1,14 +1,14 @@
 """Sweep the cuTile heuristics (``tilegym_rms/cutile/config.py``) on a GPU.
 
 Each ``--set NAME=v1,v2`` names an integer parameter of the analytic heuristics (a field of
-``config.Heuristics``, any case); each ``--hint NAME=v1,v2`` a cuTile compiler hint (``occupancy``,
-``num_worker_warps``, ``num_ctas``; 0 leaves it to the compiler) that overrides the config's hints for every
-kernel of the op, or for the kernel named by ``--only``. Every combination of the values is applied in turn
-(the host-side caches are cleared between combinations) and the op is timed as the sum of its kernels'
-device time (torch.profiler, as the benchmarks do) over inputs rotating through more than 4x the L2 cache.
-``--breakdown`` also prints the per-kernel device time of each combination, to see e.g. how much of a
-backward the dw reduction takes. Prints one table; the winners go into ``config.Heuristics`` with a note in
-``bench/NOTES.md``.
+``config.Heuristics``, any case; the tuning table is off then); each ``--hint NAME=v1,v2`` a cuTile compiler
+hint (``occupancy``, ``num_worker_warps``, ``num_ctas``; 0 leaves it to the compiler) that overrides the
+config's hints for every kernel of the op, or for the kernel named by ``--only``. Every combination of the
+values is applied in turn (the host-side caches are cleared between combinations) and the op is timed as the
+sum of its kernels' device time (torch.profiler, as the benchmarks do) over inputs rotating through more
+than 4x the L2 cache. ``--breakdown`` also prints the per-kernel device time of each combination, to see
+e.g. how much of a backward the dw reduction takes. Prints one table; the winners go into
+``config.Heuristics`` with a note in ``bench/NOTES.md``.
 
     python bench/tune_cutile.py --op backward --shapes 4096x2048 --set bwd_narrow_blocks_per_sm=1,2 --breakdown
     python bench/tune_cutile.py --op forward --shapes 4096x1024 --set fwd_narrow_occupancy=0,2,4
@@ -103,10 +103,13 @@ def _breakdown(fn, sets) -> str:
 def _apply(stack, config, launch_module, original_with_hints, names, hint_names, combo, only=None) -> str:
     """Sets the heuristics parameters (until ``stack`` closes) and hint overrides of one combination;
     returns its description."""
+    from tilegym_rms.cutile import tuning
     from tilegym_rms.experimental import kernel_name
 
     values = dict(zip(names + hint_names, combo, strict=True))
-    stack.enter_context(config.override(**{name: values[name] for name in names}))
+    if names:  # the heuristics' parameters act only without a tuning table
+        stack.enter_context(tuning.use_table(None))
+        stack.enter_context(config.override(**{name: values[name] for name in names}))
     overrides = {name: values[name] for name in hint_names}
     if overrides:
         original = original_with_hints

@@ -15,15 +15,16 @@ BF16 = torch.bfloat16
 
 @pytest.fixture
 def host(monkeypatch):
-    """The cuTile host module with an H100's SM count and empty caches; nothing launches (``cuda.tile``
+    """The cuTile host module with an H100's SM count, empty caches and no tuning table (these tests are
+    about the analytic heuristics; tests/test_tuning.py covers the tables); nothing launches (``cuda.tile``
     imports without a GPU or driver)."""
     pytest.importorskip("cuda.tile")
     import tilegym_rms.cutile as cutile
-    from tilegym_rms.cutile import launch
+    from tilegym_rms.cutile import launch, tuning
 
     monkeypatch.setattr(launch, "num_sms", lambda index: SMS)
-    cutile.clear_caches()
-    yield cutile
+    with tuning.use_table(None):
+        yield cutile
     cutile.clear_caches()
 
 
