@@ -15,7 +15,7 @@ Classes (``--kernels`` takes class names, kernel names, ``forward``, ``backward`
 
 * ``fwd_gather``: ``rms_norm_fwd_gather``, one row per block in a single tile (``kernel="gather"``).
 * ``fwd_gather_chunked``: the same kernel over column chunks, as the product runs rows wider than the widest
-  single tile; forced on narrower rows by lowering ``config.FWD_MAX_SINGLE_TILE_N``.
+  single tile; forced on narrower rows by lowering ``config.HEURISTICS.fwd_max_single_tile_n``.
 * ``fwd_gather_norstd``: the gather kernel without the rstd store (``store_rstd=False``, inference).
 * ``fwd_persistent`` / ``fwd_persistent_tail``: ``rms_norm_fwd_persistent`` (``kernel="persistent"``) with one
   padded tile, or a tile plus a narrower tail tile.
@@ -24,12 +24,13 @@ Classes (``--kernels`` takes class names, kernel names, ``forward``, ``backward`
 * ``bwd_chunked``: ``rms_norm_bwd_row_dot`` + ``rms_norm_bwd_column_chunk``, then ``rms_norm_dw_reduce``.
 * ``dw_reduce``: ``rms_norm_dw_reduce`` alone, on fp32 partial buffers of odd row counts (M is their rows).
 
-The backward has no public switch between its plans, so the script forces one the way
-``bench/tune_cutile.py`` sweeps: it overrides the thresholds in ``config`` that route between plans and clears
-the host caches (``tilegym_rms.cutile.clear_caches``) around the case; the plan itself still comes from the
-product's ``_backward_config``. No product file is patched. Compile-time constants depend on N, the dtype and
-the weight, never on M, and a forced plan keeps the product's tiles, so forcing a class onto a shape the
-product would route elsewhere compiles nothing new. Each line says how its class was reached: ``picked``
+The backward has no public switch between its plans, so the script forces one the way ``bench/tune_cutile.py``
+sweeps: it overrides the heuristics' thresholds that route between plans (``config.override``, the tuning
+table off) and clears the host caches (``tilegym_rms.cutile.clear_caches``) around the case; the plan itself
+still comes from the product's ``_backward_config``. No product file is patched. Compile-time constants depend
+on N, the dtype and the weight, never on M, and a forced plan keeps the product's tiles, so forcing a class
+onto a shape the product would route elsewhere compiles nothing new. Each line says how its class was reached:
+``picked``
 (what the product launches for that call), ``kernel=`` (the forward's ``kernel`` argument) or ``forced``.
 
 Shapes: M in {1, 7, 4097}; N in {1, 3, 1000, 5120, 10001, 12288, 20000, 65537}, each class on the widths it
@@ -99,7 +100,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # `python bench/sanit
 
 import tilegym_rms.cutile as cutile  # noqa: E402
 from tilegym_rms import reference  # noqa: E402
-from tilegym_rms.cutile import config  # noqa: E402
+from tilegym_rms.cutile import config, tuning  # noqa: E402
 from tilegym_rms.experimental import kernel_name  # noqa: E402
 
 M_VALUES = (1, 7, 4097)
@@ -134,7 +135,7 @@ class KernelClass:
     sums: str  # what it reduces inside a block (why racecheck covers it)
     kernel: str | None = None  # the forward's kernel argument
     store_rstd: bool = True
-    patch: tuple[tuple[str, int], ...] = ()  # config constants overridden to force the class
+    patch: tuple[tuple[str, int], ...] = ()  # heuristics parameters overridden to force the class
     ns: tuple[int, ...] | None = None  # widths it runs on (None: every N it applies to)
 
 
@@ -154,7 +155,7 @@ CLASSES = (
         lambda c: c.kernel == "gather" and not c.single_tile,
         "the sum of squares accumulated over column chunks, then across warps",
         kernel="gather",
-        patch=(("FWD_MAX_SINGLE_TILE_N", 0),),
+        patch=(("fwd_max_single_tile_n", 0),),
         # One chunk almost all padding, a partial last chunk, a last chunk of one column.
         ns=(3, 20000, 65537),
     ),
@@ -191,7 +192,7 @@ CLASSES = (
         (BWD_DIRECT,),
         lambda c: c.plan == "direct",
         "row dots of x^ and g (dx blocks); dw columns over the rows of a strip (strip blocks)",
-        patch=(("BWD_DIRECT_MAX_ROWS_PER_SM", UNLIMITED),),
+        patch=(("bwd_direct_max_rows_per_sm", UNLIMITED),),
     ),
     KernelClass(
         "bwd_persistent",
@@ -199,7 +200,7 @@ CLASSES = (
         (BWD_PERSISTENT, REDUCE),
         lambda c: c.plan == "persistent",
         "row dots (over the rows' columns) and dw (over the tile's rows) each grid-stride step",
-        patch=(("BWD_DIRECT_MAX_TILE_N", 0),),
+        patch=(("bwd_direct_max_tile_n", 0),),
     ),
     KernelClass(
         "bwd_chunked",
@@ -207,7 +208,7 @@ CLASSES = (
         (ROW_DOT, COLUMN_CHUNK, REDUCE),
         lambda c: c.plan == "chunked",
         "row dots over column chunks (row_dot); dw over the tile's rows each step (column_chunk)",
-        patch=(("BWD_DIRECT_MAX_TILE_N", 0), ("BWD_MAX_SINGLE_TILE_N", 0)),
+        patch=(("bwd_direct_max_tile_n", 0), ("bwd_max_single_tile_n", 0)),
         # One chunk almost all padding, then partial last chunks of several sizes down to one column.
         ns=(3, 5120, 20000, 65537),
     ),
@@ -256,17 +257,17 @@ class Plan:
 
 @contextlib.contextmanager
 def overridden(patch):
-    """``config`` constants set to force a plan, with the host caches cleared on the way in and out."""
-    saved = {name: getattr(config, name) for name, _ in patch}
-    try:
-        for name, value in patch:
-            setattr(config, name, value)
-        cutile.clear_caches()
+    """Heuristics parameters set to force a plan, with the host caches cleared on the way in and out. The
+    tuning table is off meanwhile: its winner would not see the patch."""
+    if not patch:
         yield
-    finally:
-        for name, value in saved.items():
-            setattr(config, name, value)
+        return
+    with tuning.use_table(None), config.override(**dict(patch)):
         cutile.clear_caches()
+        try:
+            yield
+        finally:
+            cutile.clear_caches()
 
 
 def _hints_text(hints) -> str:
@@ -588,6 +589,7 @@ def main(argv=None) -> int:
 
         # The host asks the launch module for the SM count; without a GPU there is none to ask.
         launch_module.num_sms = lambda device_index: ASSUMED_SMS
+        tuning.device_key = lambda device_index: f"sm90_{ASSUMED_SMS}sm"  # and its table
         dev, sms = 0, f"{ASSUMED_SMS} SMs (assumed: no GPU)"
     elif not gpu:
         print("sanitize.py needs a CUDA GPU (--list works without one)", file=sys.stderr)

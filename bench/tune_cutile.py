@@ -1,22 +1,24 @@
 """Sweep the cuTile heuristics (``tilegym_rms/cutile/config.py``) on a GPU.
 
-Each ``--set NAME=v1,v2`` names an integer constant of the config module; each ``--hint NAME=v1,v2`` a
-cuTile compiler hint (``occupancy``, ``num_worker_warps``, ``num_ctas``; 0 leaves it to the compiler)
-that overrides the config's hints for every kernel of the op, or for the kernel named by ``--only``.
-Every combination of the values is applied in turn (the host-side caches are cleared between
-combinations) and the op is timed as the sum of its kernels' device time (torch.profiler, as the
-benchmarks do) over inputs rotating through more than 4x the L2 cache. ``--breakdown`` also prints the
-per-kernel device time of each combination, to see e.g. how much of a backward the dw reduction takes.
-Prints one table; the winners go into ``config.py`` with a note in ``bench/NOTES.md``.
+Each ``--set NAME=v1,v2`` names an integer parameter of the analytic heuristics (a field of
+``config.Heuristics``, any case; the tuning table is off then); each ``--hint NAME=v1,v2`` a cuTile compiler
+hint (``occupancy``, ``num_worker_warps``, ``num_ctas``; 0 leaves it to the compiler) that overrides the
+config's hints for every kernel of the op, or for the kernel named by ``--only``. Every combination of the
+values is applied in turn (the host-side caches are cleared between combinations) and the op is timed as the
+sum of its kernels' device time (torch.profiler, as the benchmarks do) over inputs rotating through more
+than 4x the L2 cache. ``--breakdown`` also prints the per-kernel device time of each combination, to see
+e.g. how much of a backward the dw reduction takes. Prints one table; the winners go into
+``config.Heuristics`` with a note in ``bench/NOTES.md``.
 
-    python bench/tune_cutile.py --op backward --shapes 4096x2048 --set BWD_NARROW_BLOCKS_PER_SM=1,2 --breakdown
-    python bench/tune_cutile.py --op forward --shapes 4096x1024 --set FWD_NARROW_OCCUPANCY=0,2,4
+    python bench/tune_cutile.py --op backward --shapes 4096x2048 --set bwd_narrow_blocks_per_sm=1,2 --breakdown
+    python bench/tune_cutile.py --op forward --shapes 4096x1024 --set fwd_narrow_occupancy=0,2,4
     python bench/tune_cutile.py --op backward --hint num_worker_warps=0,8 --only rms_norm_dw_reduce --breakdown
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 
@@ -98,13 +100,16 @@ def _breakdown(fn, sets) -> str:
     return "\n".join(rows)
 
 
-def _apply(config, launch_module, original_with_hints, names, hint_names, combo, only=None) -> str:
-    """Sets the config constants and hint overrides of one combination; returns its description."""
+def _apply(stack, config, launch_module, original_with_hints, names, hint_names, combo, only=None) -> str:
+    """Sets the heuristics parameters (until ``stack`` closes) and hint overrides of one combination;
+    returns its description."""
+    from tilegym_rms.cutile import tuning
     from tilegym_rms.experimental import kernel_name
 
     values = dict(zip(names + hint_names, combo, strict=True))
-    for name in names:
-        setattr(config, name, values[name])
+    if names:  # the heuristics' parameters act only without a tuning table
+        stack.enter_context(tuning.use_table(None))
+        stack.enter_context(config.override(**{name: values[name] for name in names}))
     overrides = {name: values[name] for name in hint_names}
     if overrides:
         original = original_with_hints
@@ -132,9 +137,11 @@ def main(argv=None) -> int:
 
     original_with_hints = launch_module.with_hints  # restored after each combination
 
+    fields = config.Heuristics.__dataclass_fields__
+    args.sets = [(name.lower(), values) for name, values in args.sets]
     for name, _ in args.sets:
-        if not hasattr(config, name):
-            print(f"config has no constant {name!r}", file=sys.stderr)
+        if name not in fields:
+            print(f"config.Heuristics has no parameter {name!r}; one of {', '.join(fields)}", file=sys.stderr)
             return 2
     dtype = base.DTYPES[args.dtype]
     timer = timing.Timer(device, "profiler")
@@ -143,14 +150,14 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {copy_bw:.0f} GB/s; {args.op} {args.dtype}")
     names = [name for name, _ in args.sets]
     hint_names = [name for name, _ in args.hints]
-    original = {name: getattr(config, name) for name in names}
     combos = list(itertools.product(*[values for _, values in args.sets + args.hints])) or [()]
     for m, n in args.shapes:
         sets, nbytes = _inputs(args.op, m, n, dtype, device)
         w = torch.randn(n, dtype=dtype, device=device)
         fn = _call(cutile, args.op, w)
         for combo in combos:
-            setting = _apply(config, launch_module, original_with_hints, names, hint_names, combo, args.only)
+            stack = contextlib.ExitStack()
+            setting = _apply(stack, config, launch_module, original_with_hints, names, hint_names, combo, args.only)
             cutile.clear_caches()
             try:
                 us = _time_us(timer, fn, sets, args.reps)
@@ -161,8 +168,7 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile is a result too
                 print(f"  {m:>6} x {n:<6} {setting}: {base.short_error(exc)}")
             finally:
-                for name, value in original.items():
-                    setattr(config, name, value)
+                stack.close()
                 launch_module.with_hints = original_with_hints
                 cutile.clear_caches()
             sys.stdout.flush()

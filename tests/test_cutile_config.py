@@ -15,15 +15,16 @@ BF16 = torch.bfloat16
 
 @pytest.fixture
 def host(monkeypatch):
-    """The cuTile host module with an H100's SM count and empty caches; nothing launches (``cuda.tile``
+    """The cuTile host module with an H100's SM count, empty caches and no tuning table (these tests are
+    about the analytic heuristics; tests/test_tuning.py covers the tables); nothing launches (``cuda.tile``
     imports without a GPU or driver)."""
     pytest.importorskip("cuda.tile")
     import tilegym_rms.cutile as cutile
-    from tilegym_rms.cutile import launch
+    from tilegym_rms.cutile import launch, tuning
 
     monkeypatch.setattr(launch, "num_sms", lambda index: SMS)
-    cutile.clear_caches()
-    yield cutile
+    with tuning.use_table(None):
+        yield cutile
     cutile.clear_caches()
 
 
@@ -45,7 +46,11 @@ def test_forward_config_invariants(m, n):
     cfg = config.forward_config(m, n, torch.bfloat16, SMS)
     assert cfg.tile_n & (cfg.tile_n - 1) == 0 and cfg.tile_m & (cfg.tile_m - 1) == 0
     if cfg.kernel == "persistent":
-        most = max(config.FWD_NARROW_BLOCKS_PER_SM, config.FWD_WIDE_BLOCKS_PER_SM, config.FWD_TINY_BLOCKS_PER_SM)
+        most = max(
+            config.HEURISTICS.fwd_narrow_blocks_per_sm,
+            config.HEURISTICS.fwd_wide_blocks_per_sm,
+            config.HEURISTICS.fwd_tiny_blocks_per_sm,
+        )
         assert cfg.tile_n + cfg.tail_n >= n and 1 <= cfg.grid <= SMS * most
         assert cfg.grid <= config.cdiv(m, cfg.tile_m)
     else:
@@ -55,19 +60,23 @@ def test_forward_config_invariants(m, n):
 def test_forward_dispatch_thresholds(host):
     # Few rows: gather while M's bucket has at most GATHER_MAX_ROWS_PER_SM rows per SM: up to 512 rows on 132
     # SMs (bucket 512 <= 528). 513 to 528 rows are in bucket 1024 and take the persistent kernel.
-    few = config.prev_pow2(config.GATHER_MAX_ROWS_PER_SM * SMS)
+    few = config.prev_pow2(config.HEURISTICS.gather_max_rows_per_sm * SMS)
     assert few == 512
     assert fwd_kernel(host, few, 4096) == "gather" and fwd(host, few, 4096).grid == few
-    for m in (few + 1, config.GATHER_MAX_ROWS_PER_SM * SMS, config.GATHER_MAX_ROWS_PER_SM * SMS + 1):
+    for m in (
+        few + 1,
+        config.HEURISTICS.gather_max_rows_per_sm * SMS,
+        config.HEURISTICS.gather_max_rows_per_sm * SMS + 1,
+    ):
         assert fwd_kernel(host, m, 4096) == "persistent", m
-    wide = 2 * config.FWD_MAX_SINGLE_TILE_N
+    wide = 2 * config.HEURISTICS.fwd_max_single_tile_n
     cfg = fwd(host, 65536, wide)
-    assert cfg.kernel == "gather" and not cfg.single_tile and cfg.tile_n == config.FWD_CHUNK_N
-    cfg = fwd(host, 65536, config.FWD_MAX_SINGLE_TILE_N)
-    assert cfg.kernel == "gather" and cfg.single_tile and cfg.tile_n == config.FWD_MAX_SINGLE_TILE_N
-    assert fwd(host, 65536, config.FWD_MAX_PERSISTENT_TILE_N, kernel="persistent").kernel == "persistent"
+    assert cfg.kernel == "gather" and not cfg.single_tile and cfg.tile_n == config.HEURISTICS.fwd_chunk_n
+    cfg = fwd(host, 65536, config.HEURISTICS.fwd_max_single_tile_n)
+    assert cfg.kernel == "gather" and cfg.single_tile and cfg.tile_n == config.HEURISTICS.fwd_max_single_tile_n
+    assert fwd(host, 65536, config.HEURISTICS.fwd_max_persistent_tile_n, kernel="persistent").kernel == "persistent"
     with pytest.raises(ValueError, match="kernel='gather'"):
-        fwd(host, 65536, 2 * config.FWD_MAX_PERSISTENT_TILE_N, kernel="persistent")
+        fwd(host, 65536, 2 * config.HEURISTICS.fwd_max_persistent_tile_n, kernel="persistent")
     with pytest.raises(ValueError, match="kernel must be one of"):
         fwd(host, 8, 8, kernel="fast")
 
@@ -94,7 +103,9 @@ def test_backward_config_invariants(m, n):
     assert cfg.tile_m & (cfg.tile_m - 1) == 0
     if cfg.plan == "direct":
         assert cfg.tile_n == config.next_pow2(n) and cfg.grid * cfg.tile_m >= m
-        assert cfg.num_chunks * cfg.strip_n >= n and cfg.strip_m * cfg.strip_n == config.BWD_DIRECT_STRIP_ELEMS
+        assert (
+            cfg.num_chunks * cfg.strip_n >= n and cfg.strip_m * cfg.strip_n == config.HEURISTICS.bwd_direct_strip_elems
+        )
     elif cfg.plan == "persistent":
         assert (cfg.tile_n, cfg.tail_n) == config.split_row(n) and cfg.num_chunks == 1
     else:
@@ -102,19 +113,19 @@ def test_backward_config_invariants(m, n):
 
 
 def test_backward_is_one_launch_for_few_rows_of_one_tile():
-    few = config.BWD_DIRECT_MAX_ROWS_PER_SM * SMS
+    few = config.HEURISTICS.bwd_direct_max_rows_per_sm * SMS
     assert config.backward_config(few, 4096, torch.bfloat16, SMS).plan == "direct"
     assert config.backward_config(few + 1, 4096, torch.bfloat16, SMS).plan == "persistent"
-    wider = 2 * config.BWD_DIRECT_MAX_TILE_N
+    wider = 2 * config.HEURISTICS.bwd_direct_max_tile_n
     assert config.backward_config(8, wider, torch.bfloat16, SMS).plan == "persistent"
-    assert config.backward_config(8, 2 * config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS).plan == "chunked"
+    assert config.backward_config(8, 2 * config.HEURISTICS.bwd_max_single_tile_n, torch.bfloat16, SMS).plan == "chunked"
     strips = config.backward_config(8, 4096, torch.bfloat16, SMS)
-    assert strips.strip_n == config.BWD_DIRECT_MIN_STRIP_N  # 4096 / 132 SMs: the narrowest strip
-    assert config.backward_config(8, 4096, torch.bfloat16, 16).strip_n == config.BWD_DIRECT_MAX_STRIP_N
+    assert strips.strip_n == config.HEURISTICS.bwd_direct_min_strip_n  # 4096 / 132 SMs: the narrowest strip
+    assert config.backward_config(8, 4096, torch.bfloat16, 16).strip_n == config.HEURISTICS.bwd_direct_max_strip_n
 
 
 def next_pow2_gt(n):
-    return config.next_pow2(n) > config.BWD_MAX_SINGLE_TILE_N
+    return config.next_pow2(n) > config.HEURISTICS.bwd_max_single_tile_n
 
 
 @pytest.mark.parametrize("n", [1000, 4096, 5120, 12288, 65536])
@@ -137,9 +148,9 @@ def test_every_m_of_a_bucket_launches_one_compiled_variant(host, bucket, n):
 @pytest.mark.parametrize("n", [1, 64, 1000, 2048, 4096, 8192, 16384, 32768, 65536, 262144])
 def test_reduce_config_fills_the_sms_and_covers_n(n):
     red = config.reduce_config(n, SMS)
-    assert config.REDUCE_MIN_TILE_N <= red.tile_n <= config.REDUCE_MAX_TILE_N
-    assert red.grid * red.tile_n >= n and red.tile_g * red.tile_n == config.REDUCE_TILE_ELEMS
-    if n >= SMS * config.REDUCE_MIN_TILE_N:
+    assert config.HEURISTICS.reduce_min_tile_n <= red.tile_n <= config.HEURISTICS.reduce_max_tile_n
+    assert red.grid * red.tile_n >= n and red.tile_g * red.tile_n == config.HEURISTICS.reduce_tile_elems
+    if n >= SMS * config.HEURISTICS.reduce_min_tile_n:
         assert red.grid >= SMS  # at least one block per SM whenever N allows it
 
 
@@ -147,39 +158,41 @@ def test_compiler_hints_follow_the_tile_width(host):
     """Narrow tiles get the occupancy hint; wide backward tiles one block per SM with 8 warps (NOTES
     experiments 6 and 10); a zero constant sets no hint."""
     narrow_f = fwd(host, 8192, 4096)  # persistent: bucket 8192 is below GATHER_PREFERRED_MIN_M
-    assert narrow_f.kernel == "persistent" and narrow_f.hints == (("occupancy", config.FWD_NARROW_OCCUPANCY),)
-    assert narrow_f.grid == SMS * config.FWD_NARROW_BLOCKS_PER_SM
-    assert fwd(host, 65536, 1024).grid == SMS * config.FWD_TINY_BLOCKS_PER_SM
+    assert narrow_f.kernel == "persistent" and narrow_f.hints == (
+        ("occupancy", config.HEURISTICS.fwd_narrow_occupancy),
+    )
+    assert narrow_f.grid == SMS * config.HEURISTICS.fwd_narrow_blocks_per_sm
+    assert fwd(host, 65536, 1024).grid == SMS * config.HEURISTICS.fwd_tiny_blocks_per_sm
     wide_f = fwd(host, 4097, 8192)
     assert wide_f.kernel == "persistent" and wide_f.hints == ()
     narrow_b = config.backward_config(65536, 5120, torch.bfloat16, SMS)  # 4096 + 1024: still narrow
-    assert narrow_b.hints == (("occupancy", config.BWD_NARROW_OCCUPANCY),)
-    wide_b = config.backward_config(65536, config.BWD_MAX_SINGLE_TILE_N, torch.bfloat16, SMS)
-    assert wide_b.plan == "persistent" and wide_b.grid == SMS * config.BWD_WIDE_BLOCKS_PER_SM
+    assert narrow_b.hints == (("occupancy", config.HEURISTICS.bwd_narrow_occupancy),)
+    wide_b = config.backward_config(65536, config.HEURISTICS.bwd_max_single_tile_n, torch.bfloat16, SMS)
+    assert wide_b.plan == "persistent" and wide_b.grid == SMS * config.HEURISTICS.bwd_wide_blocks_per_sm
     assert dict(wide_b.hints) == {
-        "occupancy": config.BWD_WIDE_OCCUPANCY,
-        "num_worker_warps": config.BWD_WIDE_WORKER_WARPS,
+        "occupancy": config.HEURISTICS.bwd_wide_occupancy,
+        "num_worker_warps": config.HEURISTICS.bwd_wide_worker_warps,
     }
 
 
 def test_gather_hints_follow_the_tile_width_table(host):
-    table = {widest: (o, w) for widest, o, w in config.GATHER_SINGLE_TILE_HINTS}
-    assert max(table) == config.FWD_MAX_SINGLE_TILE_N  # every single-tile row finds an entry
+    table = {widest: (o, w) for widest, o, w in config.HEURISTICS.gather_single_tile_hints}
+    assert max(table) == config.HEURISTICS.fwd_max_single_tile_n  # every single-tile row finds an entry
     for n, widest in ((1000, 2048), (2048, 2048), (3000, 4096), (5120, 8192), (16384, 16384), (20000, 32768)):
         occupancy, warps = table[widest]
         cfg = fwd(host, 8, n)
         assert cfg.kernel == "gather" and cfg.single_tile
         assert dict(cfg.hints) == {k: v for k, v in (("occupancy", occupancy), ("num_worker_warps", warps)) if v}
-    chunked = fwd(host, 8, 2 * config.FWD_MAX_SINGLE_TILE_N)
-    occupancy, warps = config.GATHER_CHUNKED_HINTS
+    chunked = fwd(host, 8, 2 * config.HEURISTICS.fwd_max_single_tile_n)
+    occupancy, warps = config.HEURISTICS.gather_chunked_hints
     assert not chunked.single_tile and dict(chunked.hints) == {"occupancy": occupancy, "num_worker_warps": warps}
 
 
 def test_gather_is_preferred_at_large_m_from_its_measured_width(host):
     # From GATHER_PREFERRED_MIN_M on, counted on M's bucket: every M above half of it (8193 rows on).
-    big = config.GATHER_PREFERRED_MIN_M
+    big = config.HEURISTICS.gather_preferred_min_m
     assert big & (big - 1) == 0
-    for n in (config.GATHER_PREFERRED_MIN_N, 4096, 6144, 7168, config.GATHER_PREFERRED_MAX_N):
+    for n in (config.HEURISTICS.gather_preferred_min_n, 4096, 6144, 7168, config.HEURISTICS.gather_preferred_max_n):
         for m in (big // 2 + 1, big, 65536):
             assert fwd_kernel(host, m, n) == "gather", (m, n)
         assert fwd_kernel(host, big // 2, n) == "persistent", n
@@ -187,16 +200,16 @@ def test_gather_is_preferred_at_large_m_from_its_measured_width(host):
     assert fwd_kernel(host, big, 5120, torch.float32) == "gather"
     for dtype in (torch.bfloat16, torch.float16):
         assert fwd_kernel(host, big, 5120, dtype) == "persistent"
-    for n in (config.GATHER_PREFERRED_MIN_N - 1, config.GATHER_PREFERRED_MAX_N + 1, 12288):
+    for n in (config.HEURISTICS.gather_preferred_min_n - 1, config.HEURISTICS.gather_preferred_max_n + 1, 12288):
         assert fwd_kernel(host, big, n) == "persistent"
     for m in (8, big // 2, big):  # from GATHER_MIN_N on, at every M
-        assert fwd_kernel(host, m, config.GATHER_MIN_N) == "gather", m
+        assert fwd_kernel(host, m, config.HEURISTICS.gather_min_n) == "gather", m
 
 
 def test_persistent_forward_splits_only_rows_padded_to_the_split_width(host):
     wide = fwd(host, 65536, 12288)
     assert wide.kernel == "persistent" and (wide.tile_n, wide.tail_n) == (8192, 4096)
-    assert config.FWD_SPLIT_MIN_TILE_N > 8192  # 5120 keeps one padded 8192-wide tile
+    assert config.HEURISTICS.fwd_split_min_tile_n > 8192  # 5120 keeps one padded 8192-wide tile
     narrow = fwd(host, 8192, 5120)
     assert narrow.kernel == "persistent" and (narrow.tile_n, narrow.tail_n) == (8192, 0)
 

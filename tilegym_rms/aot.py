@@ -118,8 +118,8 @@ def variants() -> list[Variant]:
             for m in REPRESENTATIVE_M:
                 found.update(dict.fromkeys(variants_for(m, n, dtype)))
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
-    tile_n = config.REDUCE_MIN_TILE_N
-    while tile_n <= config.REDUCE_MAX_TILE_N:
+    tile_n = config.HEURISTICS.reduce_min_tile_n
+    while tile_n <= config.HEURISTICS.reduce_max_tile_n:
         red = config.reduce_config(tile_n * REFERENCE_SMS, REFERENCE_SMS)
         assert red.tile_n == tile_n
         for dtype in DTYPES:

@@ -1,4 +1,4 @@
-"""cuTile backend: host side of the kernels in :mod:`.kernels`, tuned by :mod:`.config`.
+"""cuTile backend: host side of the kernels in :mod:`.kernels`, tuned by :mod:`.config` and :mod:`.tuning`.
 
 Implements the backend contract of :mod:`tilegym_rms.dispatch` on 2-D ``(M, N)`` views whose
 last dim is dense. ``cuda.tile`` is imported lazily so that this package imports anywhere.
@@ -13,7 +13,7 @@ import torch
 
 from .._checks import KERNEL_DTYPES
 from ..reference import CASTING_CODES
-from . import config
+from . import config, tuning
 
 # Compute capabilities that tileiras targets: 8.x, 9.0, 10.x and 12.x.
 SUPPORTED_CC_MAJORS = (8, 10, 12)
@@ -88,7 +88,8 @@ def _forward_config(device_index, m, n, dtype, kernel):
     from .launch import num_sms
 
     # Tiles come from M's bucket (a new M compiles nothing new); the grid follows the real M.
-    cfg = config.forward_config(config.m_bucket(m), n, dtype, num_sms(device_index), kernel)
+    table = tuning.table_for(device_index)
+    cfg = config.forward_config(config.m_bucket(m), n, dtype, num_sms(device_index), kernel, table)
     grid = m if cfg.kernel == "gather" else min(cfg.grid, config.cdiv(m, cfg.tile_m))
     return dataclasses.replace(cfg, grid=grid)
 
@@ -97,7 +98,7 @@ def _forward_config(device_index, m, n, dtype, kernel):
 def _backward_config(device_index, m, n, dtype):
     from .launch import num_sms
 
-    return config.backward_config(m, n, dtype, num_sms(device_index))
+    return config.backward_config(m, n, dtype, num_sms(device_index), tuning.table_for(device_index))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,16 +1,19 @@
 """Launch heuristics for the cuTile kernels: which kernel, which tile shape, which grid, which
 compiler hints.
 
-Kept apart from the kernels so that tuning never touches kernel code. Every choice is a pure
-function of ``(M, N, dtype, num_sms)``; tiles and hints come from M's power-of-two bucket (the host
-passes the bucket and caches the result per device, M, N, dtype and kernel), so a new M compiles
-nothing new. Tile shapes are powers of two. The constants come from sweeps on H100/H200
-(``bench/tune_cutile.py``); ``bench/NOTES.md`` has each experiment.
-"""
+Kept apart from the kernels so that tuning never touches kernel code. A choice is a *candidate*
+(:class:`ForwardCandidate`, :class:`BackwardCandidate`: kernel or plan, tiles, blocks per SM, hints),
+turned into a launch configuration for one ``(M, N)`` by :func:`build_forward` / :func:`build_backward`.
+The candidate comes from the device's tuning table (:mod:`.tuning`) where it has an entry, else from the
+analytic heuristics, pure functions of ``(M, N, dtype, num_sms)`` whose parameters are the fields of
+:class:`Heuristics` (fitted on H100/H200 with ``bench/tune_cutile.py``; ``bench/NOTES.md`` has each
+experiment). Tiles and hints come from M's power-of-two bucket (the host passes the bucket and caches the
+result per device, M, N, dtype and kernel), so a new M compiles nothing new. Tile shapes are powers of two."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,71 +21,108 @@ from .._tiling import cdiv, next_pow2, prev_pow2
 
 FORWARD_KERNELS = ("gather", "persistent")
 
-# Widest row kept in registers as one tile; wider rows take the column-chunked kernels. A whole row per
-# block streams faster than chunks that read it twice (experiments 10, 17). The persistent forward takes
-# tiles up to FWD_MAX_PERSISTENT_TILE_N (wider rows always take the gather kernel, see GATHER_MIN_N).
-FWD_MAX_SINGLE_TILE_N = 32768
-FWD_MAX_PERSISTENT_TILE_N = 16384
-BWD_MAX_SINGLE_TILE_N = 16384
-# Column chunk of the chunked kernels and rows per chunked backward tile: enough bytes in flight per
-# block, while few rows in flight keep a row's second read in L2 (experiment 17).
-FWD_CHUNK_N = 16384
-BWD_CHUNK_N = 4096
-BWD_CHUNK_TILE_M = 4
-# Elements per tile that the forward / backward aim for (enough bytes in flight per block; wide
-# backward tiles take two rows per step, narrow ones lose with bigger tiles: experiments 7, 11).
-FWD_TILE_ELEMS = 16384
-# The persistent forward holds rows as a tile plus a tail tile (see split_row) once the padded tile
-# would be this wide: narrower rows lost with the split (experiment 18).
-FWD_SPLIT_MIN_TILE_N = 16384
-BWD_NARROW_TILE_ELEMS = 8192
-BWD_WIDE_TILE_ELEMS = 16384
-MAX_TILE_M = 16
-# Persistent grids: blocks launched per SM (at most one per row tile) and two compiler hints, for
-# narrow rows (at most NARROW_MAX_ROW padded columns) and wide ones: ``occupancy``, the blocks per SM
-# the compiler sizes its registers for, and ``num_worker_warps``, the warps of one block (0: the
-# compiler's choice). Left to itself the compiler built narrow tiles for too few blocks, while wide
-# tiles lose when forced to share an SM (experiment 6).
-NARROW_MAX_ROW = 6144  # widest row (padded: tile plus tail tile) of the narrow class
-FWD_NARROW_BLOCKS_PER_SM = 2
-FWD_NARROW_OCCUPANCY = 2
-FWD_NARROW_WORKER_WARPS = 0
-FWD_WIDE_BLOCKS_PER_SM = 2
-FWD_WIDE_OCCUPANCY = 0
-FWD_WIDE_WORKER_WARPS = 0
-# Rows of at most 1024 columns: more blocks per SM, still built for occupancy 2 (the extra blocks
-# queue and hide the short rows' latency; experiments 15, 18).
-FWD_TINY_TILE_N = 1024
-FWD_TINY_BLOCKS_PER_SM = 8
-BWD_NARROW_BLOCKS_PER_SM = 2
-BWD_NARROW_OCCUPANCY = 2
-BWD_NARROW_WORKER_WARPS = 0
-# Wide backward tiles (up to 16384 columns of x and dy in registers) spill without 8 warps
-# (experiment 10).
-BWD_WIDE_BLOCKS_PER_SM = 1
-BWD_WIDE_OCCUPANCY = 1
-BWD_WIDE_WORKER_WARPS = 8
-# The forward uses the gather kernel (one row per block) while M is at most this many rows per SM:
-# a block per row spreads few rows widest, and the inference forward then skips the rstd allocation
-# (experiment 18).
-GATHER_MAX_ROWS_PER_SM = 4
-# From GATHER_PREFERRED_MIN_M rows on, rows of GATHER_PREFERRED_MIN_N to GATHER_PREFERRED_MAX_N columns
-# take the gather kernel (experiments 13, 18); narrower rows and single waves stay persistent, wider
-# ones below GATHER_MIN_N (e.g. 12288) keep the split persistent tile.
-GATHER_PREFERRED_MIN_N = 2048
-GATHER_PREFERRED_MAX_N = 8192
-# ...except 16-bit rows that fill less than this share of their padded tile (bf16 5120): with the
-# gather kernel their speed varied between processes (experiment 18).
-GATHER_PREFERRED_MIN_FILL_16BIT = 0.75
-GATHER_PREFERRED_MIN_M = 16384
-# From this row width on the gather kernel is used at every M (experiment 18); padded widths below it
-# stay persistent, where the split tile wins.
-GATHER_MIN_N = 16384
-# Compiler hints of the gather kernel, ``(occupancy, num_worker_warps)`` (0: the compiler's choice),
-# by the widest single tile they apply to. Its blocks are short-lived, so several per SM keep rows in
-# flight, as many as the registers of a whole row allow (experiments 13, 17, 18).
-GATHER_SINGLE_TILE_HINTS = ((2048, 8, 0), (4096, 8, 8), (8192, 4, 0), (16384, 2, 0), (32768, 1, 8))
-GATHER_CHUNKED_HINTS = (1, 8)  # FWD_CHUNK_N-wide chunks, see there
+
+@dataclass(frozen=True)
+class Heuristics:
+    """The analytic heuristics' parameters (the fallback where no tuning table has an entry, see
+    :mod:`.tuning`). Defaults are the constants fitted on H100/H200; ``bench/tune_cutile.py --set`` and
+    ``bench/sanitize.py`` run with other values through :func:`override`."""
+
+    # Widest row kept in registers as one tile; wider rows take the column-chunked kernels. A whole row per
+    # block streams faster than chunks that read it twice (experiments 10, 17). The persistent forward takes
+    # tiles up to fwd_max_persistent_tile_n (wider rows always take the gather kernel, see gather_min_n).
+    fwd_max_single_tile_n: int = 32768
+    fwd_max_persistent_tile_n: int = 16384
+    bwd_max_single_tile_n: int = 16384
+    # Column chunk of the chunked kernels and rows per chunked backward tile: enough bytes in flight per
+    # block, while few rows in flight keep a row's second read in L2 (experiment 17).
+    fwd_chunk_n: int = 16384
+    bwd_chunk_n: int = 4096
+    bwd_chunk_tile_m: int = 4
+    # Elements per tile that the forward / backward aim for (enough bytes in flight per block; wide
+    # backward tiles take two rows per step, narrow ones lose with bigger tiles: experiments 7, 11).
+    fwd_tile_elems: int = 16384
+    # The persistent forward holds rows as a tile plus a tail tile (see split_row) once the padded tile
+    # would be this wide: narrower rows lost with the split (experiment 18).
+    fwd_split_min_tile_n: int = 16384
+    bwd_narrow_tile_elems: int = 8192
+    bwd_wide_tile_elems: int = 16384
+    max_tile_m: int = 16
+    # Persistent grids: blocks launched per SM (at most one per row tile) and two compiler hints, for
+    # narrow rows (at most narrow_max_row padded columns) and wide ones: ``occupancy``, the blocks per SM
+    # the compiler sizes its registers for, and ``num_worker_warps``, the warps of one block (0: the
+    # compiler's choice). Left to itself the compiler built narrow tiles for too few blocks, while wide
+    # tiles lose when forced to share an SM (experiment 6).
+    narrow_max_row: int = 6144  # widest row (padded: tile plus tail tile) of the narrow class
+    fwd_narrow_blocks_per_sm: int = 2
+    fwd_narrow_occupancy: int = 2
+    fwd_narrow_worker_warps: int = 0
+    fwd_wide_blocks_per_sm: int = 2
+    fwd_wide_occupancy: int = 0
+    fwd_wide_worker_warps: int = 0
+    # Rows of at most 1024 columns: more blocks per SM, still built for occupancy 2 (the extra blocks
+    # queue and hide the short rows' latency; experiments 15, 18).
+    fwd_tiny_tile_n: int = 1024
+    fwd_tiny_blocks_per_sm: int = 8
+    bwd_narrow_blocks_per_sm: int = 2
+    bwd_narrow_occupancy: int = 2
+    bwd_narrow_worker_warps: int = 0
+    # Wide backward tiles (up to 16384 columns of x and dy in registers) spill without 8 warps
+    # (experiment 10).
+    bwd_wide_blocks_per_sm: int = 1
+    bwd_wide_occupancy: int = 1
+    bwd_wide_worker_warps: int = 8
+    # The forward uses the gather kernel (one row per block) while M is at most this many rows per SM:
+    # a block per row spreads few rows widest, and the inference forward then skips the rstd allocation
+    # (experiment 18).
+    gather_max_rows_per_sm: int = 4
+    # From gather_preferred_min_m rows on, rows of gather_preferred_min_n to gather_preferred_max_n columns
+    # take the gather kernel (experiments 13, 18); narrower rows and single waves stay persistent, wider
+    # ones below gather_min_n (e.g. 12288) keep the split persistent tile.
+    gather_preferred_min_n: int = 2048
+    gather_preferred_max_n: int = 8192
+    # ...except 16-bit rows that fill less than this share of their padded tile (bf16 5120): with the
+    # gather kernel their speed varied between processes (experiment 18).
+    gather_preferred_min_fill_16bit: float = 0.75
+    gather_preferred_min_m: int = 16384
+    # From this row width on the gather kernel is used at every M (experiment 18); padded widths below it
+    # stay persistent, where the split tile wins.
+    gather_min_n: int = 16384
+    # Compiler hints of the gather kernel, ``(occupancy, num_worker_warps)`` (0: the compiler's choice),
+    # by the widest single tile they apply to. Its blocks are short-lived, so several per SM keep rows in
+    # flight, as many as the registers of a whole row allow (experiments 13, 17, 18).
+    gather_single_tile_hints: tuple[tuple[int, int, int], ...] = (
+        (2048, 8, 0),
+        (4096, 8, 8),
+        (8192, 4, 0),
+        (16384, 2, 0),
+        (32768, 1, 8),
+    )
+    gather_chunked_hints: tuple[int, int] = (1, 8)  # fwd_chunk_n-wide chunks, see there
+
+    # Few rows (at most this many per SM) of at most bwd_direct_max_tile_n padded columns: the backward is one
+    # launch, rms_norm_bwd_direct, whose extra blocks sum dw strips over all rows, instead of the persistent
+    # kernel, a partial buffer and the reduction; wider rows lost, the strips' M-row walk being the long
+    # pole (experiment 21). Strips: at least one per SM where N allows, and about bwd_direct_strip_elems
+    # elements of x and of dy per step.
+    bwd_direct_max_rows_per_sm: int = 4
+    bwd_direct_max_tile_n: int = 4096
+    bwd_direct_min_strip_n: int = 16
+    bwd_direct_max_strip_n: int = 64
+    bwd_direct_strip_elems: int = 4096
+
+    # Final dw reduction: each block owns a strip of columns and sums all partial rows. The strip is
+    # narrow enough that there are at least as many blocks as SMs: with 256-column strips a 2048-wide dw
+    # had 8 blocks walking 264 partial rows one after another. 32 fp32 columns are one 128-byte line per
+    # row, already a full memory transaction; wider strips would only cut the number of blocks. Each step
+    # loads about reduce_tile_elems fp32 values.
+    reduce_min_tile_n: int = 16
+    reduce_max_tile_n: int = 32
+    reduce_tile_elems: int = 4096
+
+
+HEURISTICS = Heuristics()
+
 
 # Compiler hints of one kernel launch, as sorted ``(name, value)`` pairs (hashable: a cache key).
 Hints = tuple[tuple[str, int], ...]
@@ -91,27 +131,6 @@ Hints = tuple[tuple[str, int], ...]
 def _hints(**values: int) -> Hints:
     """The hints that are set (0 means: leave it to the compiler)."""
     return tuple(sorted((k, v) for k, v in values.items() if v))
-
-
-# Few rows (at most this many per SM) of at most BWD_DIRECT_MAX_TILE_N padded columns: the backward is one
-# launch, rms_norm_bwd_direct, whose extra blocks sum dw strips over all rows, instead of the persistent
-# kernel, a partial buffer and the reduction; wider rows lost, the strips' M-row walk being the long
-# pole (experiment 21). Strips: at least one per SM where N allows, and about BWD_DIRECT_STRIP_ELEMS
-# elements of x and of dy per step.
-BWD_DIRECT_MAX_ROWS_PER_SM = 4
-BWD_DIRECT_MAX_TILE_N = 4096
-BWD_DIRECT_MIN_STRIP_N = 16
-BWD_DIRECT_MAX_STRIP_N = 64
-BWD_DIRECT_STRIP_ELEMS = 4096
-
-# Final dw reduction: each block owns a strip of columns and sums all partial rows. The strip is
-# narrow enough that there are at least as many blocks as SMs: with 256-column strips a 2048-wide dw
-# had 8 blocks walking 264 partial rows one after another. 32 fp32 columns are one 128-byte line per
-# row, already a full memory transaction; wider strips would only cut the number of blocks. Each step
-# loads about REDUCE_TILE_ELEMS fp32 values.
-REDUCE_MIN_TILE_N = 16
-REDUCE_MAX_TILE_N = 32
-REDUCE_TILE_ELEMS = 4096
 
 
 def m_bucket(m: int) -> int:
@@ -127,7 +146,7 @@ class ForwardConfig:
     single_tile: bool  # gather only: the row fits one tile
     grid: int
     hints: Hints = ()  # compiler hints (occupancy, num_worker_warps)
-    tail_n: int = 0  # persistent: width of the tail tile after the first TILE_N columns (0: none)
+    tail_n: int = 0  # persistent: width of the tail tile after the first tile_n columns (0: none)
 
 
 @dataclass(frozen=True)
@@ -141,23 +160,64 @@ class BackwardConfig:
     grid: int  # row workers: rows of the dw partial buffer (direct: dx blocks, one per row tile)
     num_chunks: int  # column chunks (1 when persistent); the chunked grid is (grid, num_chunks); direct: dw strips
     hints: Hints = ()  # compiler hints (occupancy, num_worker_warps)
-    tail_n: int = 0  # persistent: width of the tail tile after the first TILE_N columns (0: none)
+    tail_n: int = 0  # persistent: width of the tail tile after the first tile_n columns (0: none)
     strip_n: int = 0  # direct: columns of one dw strip
     strip_m: int = 0  # direct: rows a dw strip block sums per step
 
 
-def _blocks_and_hints(row: int, prefix: str) -> tuple[int, Hints]:
-    """Blocks per SM and compiler hints of the ``FWD``/``BWD`` persistent grids."""
-    width = "NARROW" if row <= NARROW_MAX_ROW else "WIDE"
-    table = globals()  # read at call time, so that bench/tune_cutile.py can sweep the constants
+@dataclass(frozen=True)
+class ForwardCandidate:
+    """The tunable choices of a forward launch, independent of M and of the SM count (the grid follows
+    from them): what a tuning table stores per bucket and what the analytic heuristics pick."""
+
+    kernel: str  # "gather" or "persistent"
+    tile_m: int  # gather: 1
+    tile_n: int  # gather: the single tile, or the column chunk when narrower than the row
+    tail_n: int  # persistent: the tail tile (0: none); gather: 0
+    blocks_per_sm: int  # persistent grid; gather: 0 (one block per row)
+    occupancy: int  # compiler hints, 0: the compiler's choice
+    num_worker_warps: int
+
+
+@dataclass(frozen=True)
+class BackwardCandidate:
+    """The tunable choices of a backward launch (see :class:`ForwardCandidate`)."""
+
+    plan: str  # "direct", "persistent" or "chunked"
+    tile_m: int
+    tile_n: int  # chunked: the column chunk
+    tail_n: int  # persistent: the tail tile (0: none)
+    blocks_per_sm: int  # persistent and chunked grids; direct: 0 (one block per row tile)
+    occupancy: int
+    num_worker_warps: int
+
+
+BACKWARD_PLANS = ("direct", "persistent", "chunked")
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """Runs the analytic heuristics with some parameters changed (``bench/tune_cutile.py --set``,
+    ``bench/sanitize.py``); the caller clears the host caches (``tilegym_rms.cutile.clear_caches``)."""
+    global HEURISTICS
+    saved = HEURISTICS
+    HEURISTICS = replace(saved, **changes)
+    try:
+        yield HEURISTICS
+    finally:
+        HEURISTICS = saved
+
+
+def _persistent_class(row: int, prefix: str, p: Heuristics) -> tuple[int, int, int]:
+    """Blocks per SM, occupancy and worker warps of the ``fwd``/``bwd`` persistent grids."""
+    width = "narrow" if row <= p.narrow_max_row else "wide"
     key = f"{prefix}_{width}"
-    hints = _hints(occupancy=table[f"{key}_OCCUPANCY"], num_worker_warps=table[f"{key}_WORKER_WARPS"])
-    return table[f"{key}_BLOCKS_PER_SM"], hints
+    return tuple(getattr(p, f"{key}_{name}") for name in ("blocks_per_sm", "occupancy", "worker_warps"))
 
 
-def _tile_m(row: int, target_elems: int) -> int:
+def _tile_m(row: int, target_elems: int, p: Heuristics) -> int:
     # Independent of M on purpose: every M then shares one compiled variant per (N, dtype).
-    return max(1, min(MAX_TILE_M, prev_pow2(max(target_elems // row, 1))))
+    return max(1, min(p.max_tile_m, prev_pow2(max(target_elems // row, 1))))
 
 
 def _strip_width(n: int, num_sms: int, narrowest: int, widest: int) -> int:
@@ -175,67 +235,114 @@ def split_row(n: int) -> tuple[int, int]:
     return (head, tail) if head + tail < next_pow2(n) else (next_pow2(n), 0)
 
 
-def forward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None) -> ForwardConfig:
-    """Chooses the forward kernel and its tiles. ``kernel`` forces one ("gather" / "persistent")."""
+def forward_candidate(
+    m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None, params: Heuristics | None = None
+) -> ForwardCandidate:
+    """The analytic heuristics' forward choice. ``kernel`` forces one ("gather" / "persistent")."""
+    p = params or HEURISTICS
     padded = next_pow2(n)
-    fits = padded <= FWD_MAX_SINGLE_TILE_N
+    fits = padded <= p.fwd_max_single_tile_n
     if kernel is None:
-        few_rows = m <= GATHER_MAX_ROWS_PER_SM * num_sms
-        fills_tile = dtype.itemsize != 2 or n >= GATHER_PREFERRED_MIN_FILL_16BIT * padded
-        preferred = GATHER_PREFERRED_MIN_N <= n <= GATHER_PREFERRED_MAX_N and m >= GATHER_PREFERRED_MIN_M
-        gather_wins = (preferred and fills_tile) or n >= GATHER_MIN_N
+        few_rows = m <= p.gather_max_rows_per_sm * num_sms
+        fills_tile = dtype.itemsize != 2 or n >= p.gather_preferred_min_fill_16bit * padded
+        preferred = p.gather_preferred_min_n <= n <= p.gather_preferred_max_n and m >= p.gather_preferred_min_m
+        gather_wins = (preferred and fills_tile) or n >= p.gather_min_n
         kernel = "gather" if few_rows or gather_wins else "persistent"
     if kernel not in FORWARD_KERNELS:
         raise ValueError(f"kernel must be one of {FORWARD_KERNELS} or None, got {kernel!r}")
     if kernel == "gather":
-        tile_n = padded if fits else FWD_CHUNK_N
-        return ForwardConfig("gather", 1, tile_n, fits, m, _gather_hints(tile_n, fits))
-    if padded > FWD_MAX_PERSISTENT_TILE_N:
+        tile_n = padded if fits else p.fwd_chunk_n
+        occupancy, warps = _gather_hints(tile_n, fits, p)
+        return ForwardCandidate("gather", 1, tile_n, 0, 0, occupancy, warps)
+    if padded > p.fwd_max_persistent_tile_n:
         raise ValueError(
-            f"kernel='persistent' needs rows of at most {FWD_MAX_PERSISTENT_TILE_N} elements (N={n}); "
+            f"kernel='persistent' needs rows of at most {p.fwd_max_persistent_tile_n} elements (N={n}); "
             "use kernel='gather'"
         )
-    tile_n, tail_n = split_row(n) if padded >= FWD_SPLIT_MIN_TILE_N else (padded, 0)
+    tile_n, tail_n = split_row(n) if padded >= p.fwd_split_min_tile_n else (padded, 0)
     row = tile_n + tail_n
-    tile_m = _tile_m(row, FWD_TILE_ELEMS)
-    blocks, hints = _blocks_and_hints(row, "FWD")
-    if row <= FWD_TINY_TILE_N:
-        blocks = FWD_TINY_BLOCKS_PER_SM
-    grid = min(num_sms * blocks, cdiv(m, tile_m))
-    return ForwardConfig("persistent", tile_m, tile_n, True, grid, hints, tail_n)
+    blocks, occupancy, warps = _persistent_class(row, "fwd", p)
+    if row <= p.fwd_tiny_tile_n:
+        blocks = p.fwd_tiny_blocks_per_sm
+    return ForwardCandidate("persistent", _tile_m(row, p.fwd_tile_elems, p), tile_n, tail_n, blocks, occupancy, warps)
 
 
-def _gather_hints(tile_n: int, single_tile: bool) -> Hints:
-    """Occupancy and warps of the gather kernel (GATHER_SINGLE_TILE_HINTS, GATHER_CHUNKED_HINTS)."""
-    if single_tile:  # FWD_MAX_SINGLE_TILE_N is the table's last width, so a row always finds its entry
-        occupancy, warps = next((o, w) for widest, o, w in GATHER_SINGLE_TILE_HINTS if tile_n <= widest)
-    else:
-        occupancy, warps = GATHER_CHUNKED_HINTS
-    return _hints(occupancy=occupancy, num_worker_warps=warps)
+def _gather_hints(tile_n: int, single_tile: bool, p: Heuristics) -> tuple[int, int]:
+    """Occupancy and warps of the gather kernel (gather_single_tile_hints, gather_chunked_hints)."""
+    if single_tile:  # fwd_max_single_tile_n is the table's last width, so a row always finds its entry
+        return next((o, w) for widest, o, w in p.gather_single_tile_hints if tile_n <= widest)
+    return p.gather_chunked_hints
 
 
-def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> BackwardConfig:
-    """Chooses the backward kernels, tiles and the number of dw partial rows (``grid``)."""
+def build_forward(cand: ForwardCandidate, m: int, n: int, num_sms: int) -> ForwardConfig:
+    """The launch configuration of a candidate for an ``(m, n)`` input (the grid follows M)."""
+    hints = _hints(occupancy=cand.occupancy, num_worker_warps=cand.num_worker_warps)
+    if cand.kernel == "gather":
+        # One tile when it holds the row and is no wider than a row kept in registers (sanitize.py lowers
+        # that bound to run the chunked loop on narrow rows).
+        single = n <= cand.tile_n <= HEURISTICS.fwd_max_single_tile_n
+        return ForwardConfig("gather", 1, cand.tile_n, single, m, hints)
+    grid = min(num_sms * cand.blocks_per_sm, cdiv(m, cand.tile_m))
+    return ForwardConfig("persistent", cand.tile_m, cand.tile_n, True, grid, hints, cand.tail_n)
+
+
+def forward_config(
+    m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None, table=None
+) -> ForwardConfig:
+    """Chooses the forward kernel and its tiles: the tuning ``table``'s winner for the bucket of ``(m, n,
+    dtype)`` (a :class:`.tuning.Table`), else the analytic heuristics. ``kernel`` forces one ("gather" /
+    "persistent"); a table winner of the other kernel then gives way to the heuristics."""
+    cand = table.lookup("forward", m, n, dtype) if table is not None else None
+    if cand is None or kernel not in (None, cand.kernel):
+        cand = forward_candidate(m, n, dtype, num_sms, kernel)
+    return build_forward(cand, m, n, num_sms)
+
+
+def backward_candidate(
+    m: int, n: int, dtype: torch.dtype, num_sms: int, params: Heuristics | None = None
+) -> BackwardCandidate:
+    """The analytic heuristics' backward choice."""
     del dtype
-    if next_pow2(n) <= BWD_DIRECT_MAX_TILE_N and m <= BWD_DIRECT_MAX_ROWS_PER_SM * num_sms:
+    p = params or HEURISTICS
+    if next_pow2(n) <= p.bwd_direct_max_tile_n and m <= p.bwd_direct_max_rows_per_sm * num_sms:
         tile_n = next_pow2(n)
-        tile_m = _tile_m(tile_n, BWD_NARROW_TILE_ELEMS)
-        _, hints = _blocks_and_hints(tile_n, "BWD")
-        strip_n = _strip_width(n, num_sms, BWD_DIRECT_MIN_STRIP_N, BWD_DIRECT_MAX_STRIP_N)
-        strip_m = prev_pow2(BWD_DIRECT_STRIP_ELEMS // strip_n)
-        return BackwardConfig("direct", tile_m, tile_n, cdiv(m, tile_m), cdiv(n, strip_n), hints, 0, strip_n, strip_m)
-    if next_pow2(n) <= BWD_MAX_SINGLE_TILE_N:
+        _, occupancy, warps = _persistent_class(tile_n, "bwd", p)
+        return BackwardCandidate("direct", _tile_m(tile_n, p.bwd_narrow_tile_elems, p), tile_n, 0, 0, occupancy, warps)
+    if next_pow2(n) <= p.bwd_max_single_tile_n:
         tile_n, tail_n = split_row(n)
         row = tile_n + tail_n
-        tile_m = _tile_m(row, BWD_NARROW_TILE_ELEMS if row <= NARROW_MAX_ROW else BWD_WIDE_TILE_ELEMS)
-        blocks, hints = _blocks_and_hints(row, "BWD")
-        grid = min(num_sms * blocks, cdiv(m, tile_m))
-        return BackwardConfig("persistent", tile_m, tile_n, grid, 1, hints, tail_n)
-    num_chunks = cdiv(n, BWD_CHUNK_N)
-    blocks, hints = _blocks_and_hints(BWD_CHUNK_N, "BWD")
+        tile_m = _tile_m(row, p.bwd_narrow_tile_elems if row <= p.narrow_max_row else p.bwd_wide_tile_elems, p)
+        return BackwardCandidate("persistent", tile_m, tile_n, tail_n, *_persistent_class(row, "bwd", p))
+    return BackwardCandidate(
+        "chunked", p.bwd_chunk_tile_m, p.bwd_chunk_n, 0, *_persistent_class(p.bwd_chunk_n, "bwd", p)
+    )
+
+
+def build_backward(cand: BackwardCandidate, m: int, n: int, num_sms: int) -> BackwardConfig:
+    """The launch configuration of a candidate for an ``(m, n)`` input (grids and dw strips follow M, N)."""
+    hints = _hints(occupancy=cand.occupancy, num_worker_warps=cand.num_worker_warps)
+    if cand.plan == "direct":
+        p = HEURISTICS
+        strip_n = _strip_width(n, num_sms, p.bwd_direct_min_strip_n, p.bwd_direct_max_strip_n)
+        strip_m = prev_pow2(p.bwd_direct_strip_elems // strip_n)
+        grid = cdiv(m, cand.tile_m)
+        return BackwardConfig("direct", cand.tile_m, cand.tile_n, grid, cdiv(n, strip_n), hints, 0, strip_n, strip_m)
+    if cand.plan == "persistent":
+        grid = min(num_sms * cand.blocks_per_sm, cdiv(m, cand.tile_m))
+        return BackwardConfig("persistent", cand.tile_m, cand.tile_n, grid, 1, hints, cand.tail_n)
+    num_chunks = cdiv(n, cand.tile_n)
     # Enough row workers that (workers x chunks) fills the GPU, never more than there are row tiles.
-    grid = max(1, min(cdiv(num_sms * blocks, num_chunks), cdiv(m, BWD_CHUNK_TILE_M)))
-    return BackwardConfig("chunked", BWD_CHUNK_TILE_M, BWD_CHUNK_N, grid, num_chunks, hints)
+    grid = max(1, min(cdiv(num_sms * cand.blocks_per_sm, num_chunks), cdiv(m, cand.tile_m)))
+    return BackwardConfig("chunked", cand.tile_m, cand.tile_n, grid, num_chunks, hints)
+
+
+def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, table=None) -> BackwardConfig:
+    """Chooses the backward kernels, tiles and the number of dw partial rows (``grid``): the tuning
+    ``table``'s winner for the bucket, else the analytic heuristics (see :func:`forward_config`)."""
+    cand = table.lookup("backward", m, n, dtype) if table is not None else None
+    if cand is None:
+        cand = backward_candidate(m, n, dtype, num_sms)
+    return build_backward(cand, m, n, num_sms)
 
 
 @dataclass(frozen=True)
@@ -247,5 +354,6 @@ class ReduceConfig:
 
 def reduce_config(n: int, num_sms: int) -> ReduceConfig:
     """Tiles of the final dw reduction for a hidden size ``n``."""
-    tile_n = _strip_width(n, num_sms, REDUCE_MIN_TILE_N, REDUCE_MAX_TILE_N)
-    return ReduceConfig(REDUCE_TILE_ELEMS // tile_n, tile_n, cdiv(n, tile_n))
+    p = HEURISTICS
+    tile_n = _strip_width(n, num_sms, p.reduce_min_tile_n, p.reduce_max_tile_n)
+    return ReduceConfig(p.reduce_tile_elems // tile_n, tile_n, cdiv(n, tile_n))

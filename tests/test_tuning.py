@@ -1,0 +1,310 @@
+"""Tuning tables (tilegym_rms.cutile.tuning): the shipped tables, the product's lookup, the override hooks
+and the sweep's pure parts (bench/tune_table.py), all on the CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tilegym_rms.cutile import config, tuning
+
+SMS = 132
+BF16 = torch.bfloat16
+REPO = Path(__file__).resolve().parents[1]
+
+# The forward / backward configs of the 14-shape grid (bench.base.GRID_M x GRID_N) as the heuristics chose
+# them before they became data (commit 76ffe7e, H100: 132 SMs), through the host (forward: M's bucket,
+# the grid following M). ForwardConfig: kernel, tile_m, tile_n, single_tile, grid, hints, tail_n.
+# BackwardConfig: plan, tile_m, tile_n, grid, num_chunks, hints, tail_n, strip_n, strip_m.
+O2, O8, O4 = (("occupancy", 2),), (("occupancy", 8),), (("occupancy", 4),)
+W8O8 = (("num_worker_warps", 8), ("occupancy", 8))
+W8O1 = (("num_worker_warps", 8), ("occupancy", 1))
+BWD = {
+    1024: ("persistent", 8, 1024, 264, 1, O2, 0, 0, 0),
+    2048: ("persistent", 4, 2048, 264, 1, O2, 0, 0, 0),
+    4096: ("persistent", 2, 4096, 264, 1, O2, 0, 0, 0),
+    5120: ("persistent", 1, 4096, 264, 1, O2, 1024, 0, 0),
+    7168: ("persistent", 2, 8192, 132, 1, W8O1, 0, 0, 0),
+    8192: ("persistent", 2, 8192, 132, 1, W8O1, 0, 0, 0),
+    16384: ("persistent", 1, 16384, 132, 1, W8O1, 0, 0, 0),
+}
+FWD_4096 = {
+    1024: ("persistent", 16, 1024, True, 256, O2, 0),
+    2048: ("persistent", 8, 2048, True, 264, O2, 0),
+    4096: ("persistent", 4, 4096, True, 264, O2, 0),
+    5120: ("persistent", 2, 8192, True, 264, (), 0),
+    7168: ("persistent", 2, 8192, True, 264, (), 0),
+    8192: ("persistent", 2, 8192, True, 264, (), 0),
+    16384: ("gather", 1, 16384, True, 4096, O2, 0),
+}
+FWD_32768 = {
+    1024: ("persistent", 16, 1024, True, 1056, O2, 0),
+    2048: ("gather", 1, 2048, True, 32768, O8, 0),
+    4096: ("gather", 1, 4096, True, 32768, W8O8, 0),
+    5120: ("persistent", 2, 8192, True, 264, (), 0),  # fp32: gather 8192 (the 16-bit fill rule)
+    7168: ("gather", 1, 8192, True, 32768, O4, 0),
+    8192: ("gather", 1, 8192, True, 32768, O4, 0),
+    16384: ("gather", 1, 16384, True, 32768, O2, 0),
+}
+FP32_32768_5120 = ("gather", 1, 8192, True, 32768, O4, 0)
+
+
+def expected_grid():
+    """{(dtype name, m, n): (forward, backward)} as frozen above."""
+    out = {}
+    for dt in ("bf16", "fp16", "fp32"):
+        for m, fwd in ((4096, FWD_4096), (32768, FWD_32768)):
+            for n in fwd:
+                f = FP32_32768_5120 if (dt, m, n) == ("fp32", 32768, 5120) else fwd[n]
+                out[(dt, m, n)] = (f, BWD[n])
+    return out
+
+
+GRID_SCRIPT = """
+import json, sys
+import tilegym_rms.cutile as cutile
+from tilegym_rms.cutile import launch, tuning
+launch.num_sms = lambda index: 132
+tuning.device_key = lambda index: "sm90_132sm"
+out = {}
+for dt, dtype in tuning.DTYPES.items():
+    for m in (4096, 32768):
+        for n in (1024, 2048, 4096, 5120, 7168, 8192, 16384):
+            f, b = cutile._forward_config(0, m, n, dtype, None), cutile._backward_config(0, m, n, dtype)
+            out[f"{dt} {m} {n}"] = [list(f.__dict__.values()), list(b.__dict__.values())]
+print(json.dumps({"table": tuning.table_for(0) is not None, "configs": out}))
+"""
+
+
+def run_grid(env_value):
+    env = {k: v for k, v in os.environ.items() if k != tuning.ENV}
+    if env_value is not None:
+        env[tuning.ENV] = env_value
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", GRID_SCRIPT], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def as_json(value):
+    return json.loads(json.dumps(value))
+
+
+@pytest.mark.parametrize("env_value", ["off", None])
+def test_grid_configs_equal_the_heuristics_before_the_table(env_value):
+    """``off`` (a fresh process: the variable is read once): the analytic fallback; unset: the shipped
+    H100 table. Both give the frozen pre-table decisions on the grid, whose widths are bucket points."""
+    pytest.importorskip("cuda.tile")
+    got = run_grid(env_value)
+    assert got["table"] == (env_value is None)
+    for (dt, m, n), (f, b) in expected_grid().items():
+        assert got["configs"][f"{dt} {m} {n}"] == as_json([f, b]), (dt, m, n)
+
+
+def test_an_invalid_table_in_the_environment_fails_with_its_path(tmp_path):
+    pytest.importorskip("cuda.tile")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": 1, "device": {"key": "x"}, "forward": {"bf16": {"100": []}}}')
+    env = {**os.environ, tuning.ENV: str(bad), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", GRID_SCRIPT], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "TuningTableError" in proc.stderr and str(bad) in proc.stderr and "'100' is not an N bucket" in proc.stderr
+
+
+def shipped():
+    return {
+        key: json.loads((REPO / "tilegym_rms/cutile/tuning" / f"{key}.json").read_text())
+        for key in tuning.packaged_keys()
+    }
+
+
+def test_shipped_tables_load_and_cover_every_bucket():
+    tables = shipped()
+    assert "sm90_132sm" in tables
+    for key, doc in tables.items():
+        table = tuning.packaged(key)
+        assert table.key == key and doc["device"]["key"] == key
+        for op in tuning.OPS:
+            for dt in tuning.DTYPES:
+                for n_b in tuning.N_BUCKETS:
+                    runs = doc[op][dt][str(n_b)]
+                    assert runs[0]["m"] == 1, (op, dt, n_b)  # every M bucket has a run
+
+
+def test_shipped_analytic_table_is_the_heuristics_at_every_bucket_point():
+    doc = shipped()["sm90_132sm"]
+    if doc["source"] != "analytic":
+        pytest.skip("a measured table")
+    table = tuning.packaged("sm90_132sm")
+    for dtype in tuning.DTYPES.values():
+        for n_b in tuning.N_BUCKETS[::7]:
+            for m in (1, 512, 1024, 16384, 1 << 22):
+                assert table.lookup("forward", m, n_b, dtype) == config.forward_candidate(m, n_b, dtype, SMS)
+                assert table.lookup("backward", m, n_b, dtype) == config.backward_candidate(m, n_b, dtype, SMS)
+
+
+@pytest.fixture
+def host(monkeypatch):
+    pytest.importorskip("cuda.tile")
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile import launch
+
+    monkeypatch.setattr(launch, "num_sms", lambda index: SMS)
+    monkeypatch.setattr(tuning, "device_key", lambda index: "sm90_132sm")
+    with tuning.use_table("packaged"):
+        yield cutile
+
+
+def winner(doc, op, dt, n_b, m_b):
+    """The run of an M bucket, read from the JSON by hand (the schema's floor rule)."""
+    runs = doc[op][dt][str(n_b)]
+    return [r for r in runs if r["m"] <= m_b][-1]["winner"] if runs[0]["m"] <= m_b else runs[0]["winner"]
+
+
+SAMPLE = [(1, 64), (7, 96), (300, 1000), (513, 4100), (5000, 5120), (40000, 7000), (3000, 12000), (9, 40000)]
+
+
+@pytest.mark.parametrize("m, n", SAMPLE)
+def test_the_product_launches_the_tables_winner(host, m, n):
+    doc = shipped()["sm90_132sm"]
+    for dt, dtype in tuning.DTYPES.items():
+        n_b, m_b = tuning.n_bucket(n), config.m_bucket(m)
+        f = host._forward_config(0, m, n, dtype, None)
+        w = winner(doc, "forward", dt, n_b, m_b)
+        assert (f.kernel, f.tile_m, f.tile_n, f.tail_n) == (w["kernel"], w["tile_m"], w["tile_n"], w["tail_n"])
+        assert dict(f.hints) == {k: w[k] for k in ("occupancy", "num_worker_warps") if w[k]}
+        b = host._backward_config(0, m, n, dtype)
+        w = winner(doc, "backward", dt, n_b, m_b)
+        assert (b.plan, b.tile_m, b.tile_n, b.tail_n) == (w["plan"], w["tile_m"], w["tile_n"], w["tail_n"])
+
+
+def one_entry(op, dt, n_b, cand, m=1):
+    doc = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "test")
+    tuning.set_runs(doc, op, dt, n_b, [{"m": m, "winner": asdict(cand), "gbps": {}}])
+    return doc
+
+
+def test_use_table_overrides_and_restores(host):
+    odd = config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)  # no heuristic picks this
+    before = host._forward_config(0, 4096, 4096, BF16, None)
+    with tuning.use_table(one_entry("forward", "bf16", 4224, odd)):
+        cfg = host._forward_config(0, 4096, 4100, BF16, None)  # 4100 rounds up to the 4224 bucket
+        assert (cfg.tile_m, cfg.tile_n, cfg.grid) == (2, 8192, 3 * SMS)
+        assert dict(cfg.hints) == {"occupancy": 4, "num_worker_warps": 8}
+        assert host._forward_config(0, 4096, 4096, BF16, None) == config.forward_config(4096, 4096, BF16, SMS)
+        # A forced kernel other than the winner's: the heuristics for that kernel.
+        assert host._forward_config(0, 4096, 4100, BF16, "gather").kernel == "gather"
+    assert host._forward_config(0, 4096, 4096, BF16, None) == before
+    tuning.use_table(None)  # as a setter
+    assert tuning.table_for(0) is None
+    tuning.use_table("packaged")
+    assert tuning.table_for(0) is tuning.packaged("sm90_132sm")
+
+
+def test_use_table_reads_a_file(host, tmp_path):
+    odd = config.BackwardCandidate("persistent", 4, 4096, 1024, 1, 0, 4)
+    path = tmp_path / "t.json"
+    tuning.write(one_entry("backward", "fp16", 5120, odd), path)
+    with tuning.use_table(str(path)):
+        b = host._backward_config(0, 1 << 20, 5000, torch.float16)
+        assert (b.tile_m, b.tile_n, b.tail_n, b.grid, b.hints) == (4, 4096, 1024, SMS, (("num_worker_warps", 4),))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(schema=2), "'schema' must be 1"),
+        (lambda d: d["forward"]["bf16"].update({"4100": d["forward"]["bf16"].pop("4224")}), "not an N bucket"),
+        (lambda d: d["forward"]["bf16"]["4224"][0]["winner"].update(tile_n=4096), "does not cover N = 4224"),
+        (lambda d: d["forward"]["bf16"]["4224"][0]["winner"].update(tile_m=3), "powers of two"),
+        (lambda d: d["forward"]["bf16"]["4224"][0]["winner"].update(kernel="fast"), "kernel must be one of"),
+        (lambda d: d["forward"]["bf16"]["4224"][0]["winner"].pop("occupancy"), "exactly the fields"),
+        (lambda d: d["forward"]["bf16"]["4224"][0].update(m=3), "power of two up to 2**22"),
+        (lambda d: d["forward"]["bf16"]["4224"][0]["winner"].update(blocks_per_sm=0), "blocks_per_sm must be >= 1"),
+    ],
+)
+def test_an_invalid_table_says_what_is_wrong(mutate, message):
+    doc = one_entry("forward", "bf16", 4224, config.ForwardCandidate("persistent", 2, 8192, 0, 2, 2, 0))
+    tuning.Table(doc)  # valid as built
+    mutate(doc)
+    with pytest.raises(tuning.TuningTableError, match=message.replace("*", r"\*").replace("(", r"\(")):
+        tuning.Table(doc, "t.json")
+
+
+def test_buckets():
+    assert [tuning.n_bucket(n) for n in (1, 64, 65, 96, 97, 128, 4097, 8192, 8193, 16385, 40000, 65536)] == [
+        64, 64, 96, 96, 128, 128, 4224, 8192, 9216, 20480, 40960, 65536,
+    ]  # fmt: skip
+    assert tuning.n_bucket(65537) is None
+    assert all(n % 128 == 0 for n in tuning.N_BUCKETS[2:]) and list(tuning.N_BUCKETS) == sorted(set(tuning.N_BUCKETS))
+    assert set(range(128, 8193, 128)) <= set(tuning.N_BUCKETS)
+    assert [tuning.m_bucket(m) for m in (1, 3, 4096, 4097, 1 << 30)] == [1, 4, 4096, 8192, 1 << 22]
+
+
+def test_a_winner_serves_every_n_of_its_bucket():
+    """The analytic candidate at a bucket point, built for each N of the bucket, covers the row."""
+    for n_b in tuning.N_BUCKETS:
+        i = tuning.N_BUCKETS.index(n_b)
+        lo = tuning.N_BUCKETS[i - 1] + 1 if i else 1
+        for m in (1, 1 << 20):
+            for n in {lo, (lo + n_b) // 2, n_b}:
+                b = config.build_backward(config.backward_candidate(m, n_b, BF16, SMS), m, n, SMS)
+                f = config.build_forward(config.forward_candidate(m, n_b, BF16, SMS), m, n, SMS)
+                assert b.tile_n + b.tail_n >= n or b.plan == "chunked"
+                assert f.tile_n + f.tail_n >= n or not f.single_tile
+
+
+def test_candidates_start_with_the_heuristics_and_are_valid():
+    for op in tuning.OPS:
+        for n_b in (64, 1024, 4224, 5120, 12288, 40960):
+            for m_b in (1, 4096, 65536):
+                cands = tuning.candidates(op, m_b, n_b, BF16, SMS)
+                analytic = (config.forward_candidate if op == "forward" else config.backward_candidate)(
+                    m_b, n_b, BF16, SMS
+                )
+                assert cands[0] == analytic and len(set(cands)) == len(cands) and 2 <= len(cands) <= 5
+                assert all(tuning.candidate_error(op, c, n_b) is None for c in cands)
+    kinds = {c.kernel for c in tuning.candidates("forward", 4096, 4096, BF16, SMS)}
+    assert kinds == {"gather", "persistent"}
+    plans = {c.plan for c in tuning.candidates("backward", 8, 1024, BF16, SMS)}
+    assert plans == {"direct", "persistent"}
+
+
+def test_select_winner_keeps_the_analytic_choice_within_the_noise():
+    assert tuning.select_winner({"a": 100.0, "b": 100.5}, "a") == "a"
+    assert tuning.select_winner({"a": 100.0, "b": 102.0}, "a") == "b"
+    assert tuning.select_winner({"a": 100.0, "b": 102.0}, "a", min_gain=0.05) == "a"
+    assert tuning.select_winner({"b": 90.0, "c": 95.0}, "a") == "c"  # the analytic one failed to run
+    with pytest.raises(ValueError):
+        tuning.select_winner({}, "a")
+
+
+def test_merge_and_write(tmp_path):
+    analytic = tuning.analytic_doc("sm90_132sm", "x", (9, 0), SMS, "test")
+    cand = config.ForwardCandidate("persistent", 8, 2048, 0, 4, 2, 0)
+    sweep1 = tuning.new_doc("sm90_132sm", "x", (9, 0), SMS, "measured", "sweep 1")
+    tuning.set_runs(sweep1, "forward", "bf16", 2048, [{"m": 1, "winner": asdict(cand), "gbps": {"l": 1.0}}])
+    merged = tuning.merge(analytic, sweep1)
+    assert merged["source"] == "mixed" and merged["generated_by"] == "sweep 1"
+    assert merged["forward"]["bf16"]["2048"] == sweep1["forward"]["bf16"]["2048"]  # measured replaces analytic
+    assert merged["forward"]["bf16"]["4096"] == analytic["forward"]["bf16"]["4096"]
+    sweep2 = tuning.new_doc("sm90_132sm", "x", (9, 0), SMS, "measured", "sweep 2")
+    later = [{"m": 1, "winner": asdict(cand), "gbps": {"l": 2.0}}, {"m": 64, "winner": asdict(cand), "gbps": {}}]
+    tuning.set_runs(sweep2, "forward", "bf16", 2048, later)
+    runs = tuning.merge(merged, sweep2)["forward"]["bf16"]["2048"]
+    assert [(r["m"], r["gbps"]) for r in runs] == [(1, {"l": 2.0}), (64, {})]  # by M, the newer wins
+    with pytest.raises(tuning.TuningTableError, match="cannot merge"):
+        tuning.merge(analytic, tuning.new_doc("sm100_148sm", "y", (10, 0), 148, "measured", ""))
+    path = tmp_path / "t.json"
+    tuning.write(merged, path)
+    assert json.loads(path.read_text()) == merged and tuning.load(path).lookup("forward", 1, 2000, BF16) == cand
+    bad = json.loads(json.dumps(merged))
+    bad["forward"]["bf16"]["2048"][0]["winner"]["tile_n"] = 1024
+    with pytest.raises(tuning.TuningTableError):
+        tuning.write(bad, tmp_path / "bad.json")
+    assert not (tmp_path / "bad.json").exists()

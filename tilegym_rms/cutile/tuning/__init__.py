@@ -1,0 +1,442 @@
+"""Tuning tables: the measured winner per shape bucket and device class, in JSON files of this package.
+
+A device class is keyed by compute capability and SM count, ``sm{major}{minor}_{sms}sm`` (``sm90_132sm``: an
+H100 SXM). ``<key>.json`` here is the table the host uses on such a device; a device without one, and a
+shape outside a table's buckets, gets the analytic heuristics (:mod:`..config`).
+
+Buckets. ``N``: 64 and 96 (QK-norm head dims), every multiple of 128 up to 8192, then multiples of 1024 up
+to 16384, of 4096 up to 32768 and of 8192 up to 65536 (:data:`N_BUCKETS`); an N between two bucket points
+takes the next one up, so the winner's tiles cover it (N above 65536: no entry). ``M``: powers of two
+from 1 to 2**22 (M rounded up to one; larger M clamp to 2**22).
+
+Schema (``"schema": 1``)::
+
+    {
+      "schema": 1,
+      "device": {"key": "sm90_132sm", "name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "sms": 132},
+      "source": "analytic" | "measured" | "mixed",
+      "generated_by": "the command line that wrote it",
+      "copy_gbps": 2990.0,                        # measured tables: the card's copy bandwidth
+      "forward": {                                # and "backward", same shape
+        "bf16": {                                 # "bf16", "fp16", "fp32"
+          "4096": [                               # an N bucket point
+            {"m": 1, "winner": {...}},            # from M bucket 1 on ...
+            {"m": 1024, "winner": {...},          # ... from 1024 on (until the next run's m)
+             "gbps": {"persistent 4x4096+0 b2 o2 w0": 2710.0, ...}}   # measured: every candidate's GB/s
+          ], ...}, ...}}
+
+Runs are sorted by ``m``; the run for an M bucket is the last one whose ``m`` is at most it (M buckets below
+the first run take the first run). A forward winner has the fields of :class:`..config.ForwardCandidate`
+(``kernel``, ``tile_m``, ``tile_n``, ``tail_n``, ``blocks_per_sm``, ``occupancy``, ``num_worker_warps``), a
+backward winner those of :class:`..config.BackwardCandidate` (``plan`` instead of ``kernel``). Loading
+checks every winner against every N of its bucket (tiles that cover the row, widths that fit a block) and
+raises :class:`TuningTableError` saying which entry is wrong.
+
+Choosing the table: ``TILEGYM_RMS_TUNING`` (read once, at the first launch) is a path to a table used on
+every device, or ``off`` for the analytic heuristics everywhere; unset, the device's packaged table. In
+Python, :func:`use_table` does the same at any time (and clears the host caches), as a setter or as a
+context manager.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, fields, replace
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .. import config
+from ..config import BackwardCandidate, ForwardCandidate
+
+SCHEMA = 1
+ENV = "TILEGYM_RMS_TUNING"
+OPS = ("forward", "backward")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+CANDIDATE_TYPES = {"forward": ForwardCandidate, "backward": BackwardCandidate}
+N_BUCKETS = (
+    (64, 96)
+    + tuple(range(128, 8192 + 1, 128))
+    + tuple(range(9216, 16384 + 1, 1024))
+    + tuple(range(20480, 32768 + 1, 4096))
+    + tuple(range(40960, 65536 + 1, 8192))
+)
+M_BUCKET_MAX = 1 << 22
+M_BUCKETS = tuple(1 << i for i in range(23))
+MAX_TILE_M = 64  # a sanity bound on table entries: the heuristics stay at 16
+MAX_WARPS = 32
+
+
+class TuningTableError(ValueError):
+    """A tuning table that does not follow the schema (the message names the entry and the rule)."""
+
+
+def n_bucket(n: int) -> int | None:
+    """The bucket point an N rounds up to, or None above the widest bucket."""
+    if n > N_BUCKETS[-1]:
+        return None
+    lo, hi = 0, len(N_BUCKETS) - 1
+    while lo < hi:  # the first bucket >= n
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if N_BUCKETS[mid] < n else (lo, mid)
+    return N_BUCKETS[lo]
+
+
+def m_bucket(m: int) -> int:
+    return min(config.m_bucket(m), M_BUCKET_MAX)
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def candidate_error(op: str, cand, n_b: int) -> str | None:
+    """Why ``cand`` cannot serve every N of bucket ``n_b``, or None. The bounds are the hard limits of the
+    kernels (registers of a row tile), from the default heuristics."""
+    p = config.Heuristics()
+    hi = n_b
+    hints_ok = cand.occupancy >= 0 and cand.num_worker_warps in (0, *(1 << i for i in range(6)))
+    if not hints_ok or cand.num_worker_warps > MAX_WARPS:
+        return f"occupancy {cand.occupancy} / num_worker_warps {cand.num_worker_warps}: >= 0, warps a power of two"
+    if not (_pow2(cand.tile_m) and cand.tile_m <= MAX_TILE_M and _pow2(cand.tile_n)):
+        return f"tile_m {cand.tile_m} and tile_n {cand.tile_n} must be powers of two (tile_m <= {MAX_TILE_M})"
+    if cand.tail_n and not (_pow2(cand.tail_n) and cand.tail_n < cand.tile_n):
+        return f"tail_n {cand.tail_n} must be 0 or a power of two narrower than tile_n"
+    kind = cand.kernel if op == "forward" else cand.plan
+    if kind in ("gather", "direct"):
+        if cand.blocks_per_sm or cand.tail_n:
+            return f"{kind}: blocks_per_sm and tail_n must be 0 (one block per row or row tile)"
+    elif cand.blocks_per_sm < 1:
+        return f"{kind}: blocks_per_sm must be >= 1"
+    if kind == "gather":
+        widest = p.fwd_max_single_tile_n
+        if cand.tile_m != 1 or cand.tile_n > widest:
+            return f"gather: tile_m must be 1 and tile_n (one tile or a chunk) at most {widest}"
+        return None
+    if kind == "chunked":
+        return None
+    widest = p.fwd_max_persistent_tile_n if op == "forward" else p.bwd_max_single_tile_n
+    if cand.tile_n > widest:
+        return f"{kind}: tile_n {cand.tile_n} wider than {widest}"
+    if cand.tile_n + cand.tail_n < hi:
+        return f"{kind}: tile_n + tail_n = {cand.tile_n + cand.tail_n} does not cover N = {hi}"
+    return None
+
+
+def _candidate(op: str, raw, where: str):
+    cls = CANDIDATE_TYPES[op]
+    names = [f.name for f in fields(cls)]
+    if not isinstance(raw, dict) or set(raw) != set(names):
+        raise TuningTableError(f"{where}: a {op} winner has exactly the fields {names}, got {raw!r}")
+    kinds = config.FORWARD_KERNELS if op == "forward" else config.BACKWARD_PLANS
+    kind = raw[names[0]]
+    if kind not in kinds:
+        raise TuningTableError(f"{where}: {names[0]} must be one of {kinds}, got {kind!r}")
+    if not all(type(raw[k]) is int for k in names[1:]):
+        raise TuningTableError(f"{where}: {', '.join(names[1:])} must be integers, got {raw!r}")
+    return cls(**raw)
+
+
+class Table:
+    """A validated tuning table: ``lookup`` gives the winner for an ``(m, n, dtype)`` or None."""
+
+    def __init__(self, doc: dict, origin: str = "<dict>"):
+        self.doc = doc
+        self.origin = origin
+        self.runs: dict[tuple[str, str, int], tuple[tuple[int, object], ...]] = {}
+        self._parse()
+
+    def _fail(self, msg: str):
+        raise TuningTableError(f"tuning table {self.origin}: {msg}")
+
+    def _parse(self):
+        doc = self.doc
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+            self._fail(f"'schema' must be {SCHEMA} (got {doc.get('schema') if isinstance(doc, dict) else doc!r})")
+        device = doc.get("device")
+        if not isinstance(device, dict) or not isinstance(device.get("key"), str):
+            self._fail("'device' must be an object with a 'key' string")
+        for op in OPS:
+            by_dtype = doc.get(op, {})
+            if not isinstance(by_dtype, dict) or not set(by_dtype) <= set(DTYPES):
+                self._fail(f"{op!r} maps dtypes {sorted(DTYPES)} to N buckets")
+            for dt, by_n in by_dtype.items():
+                for key, runs in by_n.items():
+                    where = f"{op}/{dt}/{key}"
+                    if not key.isdigit() or int(key) not in N_BUCKETS:
+                        self._fail(f"{where}: {key!r} is not an N bucket point (see tuning.N_BUCKETS)")
+                    self.runs[(op, dt, int(key))] = self._parse_runs(op, int(key), runs, where)
+
+    def _parse_runs(self, op, n_b, runs, where):
+        if not isinstance(runs, list) or not runs:
+            self._fail(f"{where}: a non-empty list of runs")
+        parsed, last = [], 0
+        for run in runs:
+            m = run.get("m") if isinstance(run, dict) else None
+            if m not in M_BUCKETS or m <= last:
+                self._fail(f"{where}: run 'm' {m!r} must be a power of two up to 2**22, increasing")
+            cand = _candidate(op, run.get("winner"), f"{self.origin}: {where}/m={m}")
+            why = candidate_error(op, cand, n_b)
+            if why:
+                self._fail(f"{where}/m={m}: {why}")
+            parsed.append((m, cand))
+            last = m
+        return tuple(parsed)
+
+    @property
+    def key(self) -> str:
+        return self.doc["device"]["key"]
+
+    def lookup(self, op: str, m: int, n: int, dtype: torch.dtype):
+        """The winner for the buckets of ``(m, n, dtype)``: a config candidate, or None (no entry)."""
+        n_b = n_bucket(n)
+        runs = self.runs.get((op, DTYPE_NAMES.get(dtype), n_b)) if n_b is not None else None
+        if not runs:
+            return None
+        m_b = m_bucket(m)
+        return next((c for start, c in reversed(runs) if start <= m_b), runs[0][1])
+
+
+def load(source) -> Table:
+    """A table from a path or a dict (validated)."""
+    if isinstance(source, Table):
+        return source
+    if isinstance(source, dict):
+        return Table(source)
+    path = Path(source)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TuningTableError(f"tuning table {path}: cannot read it as JSON ({exc})") from exc
+    return Table(doc, str(path))
+
+
+def packaged_keys() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(__name__).iterdir() if p.name.endswith(".json"))
+
+
+@functools.cache
+def packaged(key: str) -> Table | None:
+    """The table shipped for a device class, or None."""
+    res = resources.files(__name__) / f"{key}.json"
+    return Table(json.loads(res.read_text()), f"{__name__}/{key}.json") if res.is_file() else None
+
+
+def device_key(device_index: int) -> str:
+    from ..launch import num_sms
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm{major}{minor}_{num_sms(device_index)}sm"
+
+
+_PACKAGED = "packaged"  # the choice: each device's shipped table
+_choice: object = None  # None until the first lookup reads the environment; then _PACKAGED, "off" or a Table
+
+
+def _from_setting(value) -> object:
+    if value is None or value == "off":
+        return "off"
+    if value == _PACKAGED:
+        return _PACKAGED
+    return load(value)
+
+
+def _current() -> object:
+    global _choice
+    if _choice is None:
+        _choice = _from_setting(os.environ.get(ENV) or _PACKAGED)
+    return _choice
+
+
+def table_for(device_index: int) -> Table | None:
+    """The table the host uses on a device (None: the analytic heuristics)."""
+    choice = _current()
+    if choice == "off":
+        return None
+    if choice == _PACKAGED:
+        return packaged(device_key(device_index))
+    return choice
+
+
+class use_table:  # noqa: N801 - used like a function, as torch.set_grad_enabled is
+    """Sets the tuning table: a path, a dict, a :class:`Table`, ``None`` or ``"off"`` (analytic heuristics)
+    or ``"packaged"`` (each device's shipped table, ignoring ``TILEGYM_RMS_TUNING``). Takes effect at once
+    (the host caches are cleared); as a context manager it restores the previous choice on exit."""
+
+    def __init__(self, table):
+        self._previous = _current()
+        _set(_from_setting(table))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _set(self._previous)
+
+
+def _set(choice) -> None:
+    global _choice
+    _choice = choice
+    from .. import clear_caches
+
+    clear_caches()
+
+
+# --- writing tables (the analytic table, the sweep) ---
+
+
+def label(op: str, cand) -> str:
+    """A candidate in one short string (the keys of a run's ``gbps``)."""
+    kind = cand.kernel if op == "forward" else cand.plan
+    tail = f"+{cand.tail_n}" if cand.tail_n else ""
+    return f"{kind} {cand.tile_m}x{cand.tile_n}{tail} b{cand.blocks_per_sm} o{cand.occupancy} w{cand.num_worker_warps}"
+
+
+def new_doc(key: str, name: str, capability, sms: int, source: str, generated_by: str) -> dict:
+    return {
+        "schema": SCHEMA,
+        "device": {"key": key, "name": name, "capability": list(capability), "sms": sms},
+        "source": source,
+        "generated_by": generated_by,
+        "forward": {},
+        "backward": {},
+    }
+
+
+def set_runs(doc: dict, op: str, dtype: str, n_b: int, runs: list[dict]) -> None:
+    doc[op].setdefault(dtype, {})[str(n_b)] = sorted(runs, key=lambda r: r["m"])
+
+
+def analytic_runs(op: str, dtype: torch.dtype, n_b: int, sms: int) -> list[dict]:
+    """The analytic heuristics' choice at every M bucket of ``n_b``, as runs (equal neighbours merged)."""
+    runs = []
+    for m in M_BUCKETS:
+        if op == "forward":
+            cand = config.forward_candidate(m, n_b, dtype, sms)
+        else:
+            cand = config.backward_candidate(m, n_b, dtype, sms)
+        if not runs or runs[-1]["winner"] != asdict(cand):
+            runs.append({"m": m, "winner": asdict(cand)})
+    return runs
+
+
+def analytic_doc(key: str, name: str, capability, sms: int, generated_by: str) -> dict:
+    """A table holding the analytic heuristics' decisions at every bucket point (``"source": "analytic"``)."""
+    doc = new_doc(key, name, capability, sms, "analytic", generated_by)
+    for op in OPS:
+        for dt, dtype in DTYPES.items():
+            for n_b in N_BUCKETS:
+                set_runs(doc, op, dt, n_b, analytic_runs(op, dtype, n_b, sms))
+    return doc
+
+
+def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int) -> list:
+    """What the sweep times at one bucket, the analytic choice first, then a few neighbours valid for the
+    bucket: the other forward kernel (its analytic tiles), or the persistent backward plan in place of the
+    direct one; twice the blocks per SM (only the grid changes: no compile); twice the rows per tile of a
+    persistent tile, or twice the gather kernel's occupancy hint (one compiled variant each). Few on
+    purpose: compiles dominate a sweep's time, see ``bench/tune_table.py --plan``."""
+    out: list = []
+
+    def add(cand):
+        if cand not in out and candidate_error(op, cand, n_b) is None:
+            out.append(cand)
+
+    if op == "forward":
+        add(config.forward_candidate(m_b, n_b, dtype, sms))
+        for kernel in config.FORWARD_KERNELS:
+            try:
+                base = config.forward_candidate(m_b, n_b, dtype, sms, kernel)
+            except ValueError:
+                continue  # persistent: rows too wide
+            add(base)
+            if kernel == "gather":
+                add(replace(base, occupancy=max(1, base.occupancy * 2)))
+            else:
+                add(replace(base, blocks_per_sm=base.blocks_per_sm * 2))
+                add(replace(base, tile_m=base.tile_m * 2))
+        return out
+    base = config.backward_candidate(m_b, n_b, dtype, sms)
+    add(base)
+    if base.plan == "direct":  # what the direct plan replaced at this M
+        base = config.backward_candidate(m_b, n_b, dtype, sms, replace(config.HEURISTICS, bwd_direct_max_rows_per_sm=0))
+        add(base)
+    add(replace(base, blocks_per_sm=base.blocks_per_sm * 2))
+    add(replace(base, tile_m=base.tile_m * 2))
+    return out
+
+
+def select_winner(gbps: dict[str, float], default: str, min_gain: float = 0.01) -> str:
+    """The fastest candidate, unless it beats ``default`` (the analytic choice) by less than ``min_gain``:
+    timing noise is then no reason to change a decision."""
+    if not gbps:
+        raise ValueError("no candidate was measured")
+    best = max(gbps, key=gbps.get)
+    if default in gbps and gbps[best] < gbps[default] * (1 + min_gain):
+        return default
+    return best
+
+
+def measured(runs: list[dict]) -> bool:
+    return all("gbps" in r for r in runs)
+
+
+def merge(base: dict, new: dict) -> dict:
+    """``new`` over ``base`` (same device): a measured run list replaces an analytic one of the same
+    (op, dtype, N); two measured lists merge by M, ``new`` winning. ``source`` follows what remains."""
+    if base["device"]["key"] != new["device"]["key"]:
+        raise TuningTableError(f"cannot merge tables of {base['device']['key']} and {new['device']['key']}")
+    out = json.loads(json.dumps(base))
+    out["generated_by"] = new["generated_by"]
+    if "copy_gbps" in new:
+        out["copy_gbps"] = new["copy_gbps"]
+    for op in OPS:
+        for dt, by_n in new.get(op, {}).items():
+            for key, runs in by_n.items():
+                old = out[op].get(dt, {}).get(key)
+                if old is not None and measured(old) and measured(runs):
+                    runs = list({r["m"]: r for r in old + runs}.values())
+                set_runs(out, op, dt, int(key), runs)
+    out["source"] = source_of(out)
+    return out
+
+
+def source_of(doc: dict) -> str:
+    kinds = {measured(runs) for op in OPS for by_n in doc.get(op, {}).values() for runs in by_n.values()}
+    return "mixed" if len(kinds) > 1 else ("measured" if kinds == {True} else "analytic")
+
+
+def dumps(doc: dict) -> str:
+    """JSON with one line per (op, dtype, N): small diffs when a sweep changes a few buckets."""
+    head = {k: v for k, v in doc.items() if k not in OPS}
+    lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    for i, op in enumerate(OPS):
+        lines.append(f'  "{op}": {{')
+        dts = list(doc.get(op, {}).items())
+        for j, (dt, by_n) in enumerate(dts):
+            lines.append(f'    "{dt}": {{')
+            items = sorted(by_n.items(), key=lambda kv: int(kv[0]))
+            for k, (key, runs) in enumerate(items):
+                lines.append(f'      "{key}": {json.dumps(runs)}' + ("," if k < len(items) - 1 else ""))
+            lines.append("    }" + ("," if j < len(dts) - 1 else ""))
+        lines.append("  }" + ("," if i < len(OPS) - 1 else ""))
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def write(doc: dict, path) -> None:
+    """Validates ``doc`` and writes it atomically (an interrupted sweep keeps its last complete file)."""
+    Table(doc, str(path))
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(dumps(doc))
+    os.replace(tmp, path)
+
+
+def sweep_points(dtypes: Iterable[str], ns: Iterable[int], ms: Iterable[int]):
+    """Every (dtype, N bucket, M bucket) of a sweep, N outermost within a dtype (one input size at a time)."""
+    return [(dt, n_b, m_b) for dt in dtypes for n_b in ns for m_b in ms]
