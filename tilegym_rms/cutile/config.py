@@ -249,3 +249,71 @@ def reduce_config(n: int, num_sms: int) -> ReduceConfig:
     """Tiles of the final dw reduction for a hidden size ``n``."""
     tile_n = _strip_width(n, num_sms, REDUCE_MIN_TILE_N, REDUCE_MAX_TILE_N)
     return ReduceConfig(REDUCE_TILE_ELEMS // tile_n, tile_n, cdiv(n, tile_n))
+
+
+# ----------------------------------------------------------------------------------------------
+# QK-norm (qk_rms_norm): one persistent launch over the row tiles of q, then of k
+# ----------------------------------------------------------------------------------------------
+
+# Head dims are short (64-256): the whole head is one tile (TILE_N = next_pow2(D)), and a tile holds many
+# rows. Widest head dim served by the one-tile kernels; wider rows would need column chunks.
+QK_MAX_TILE_N = 1024
+# Elements per tile, forward and backward: the narrow-row sizes of the plain norm (experiments 7, 11),
+# whose best tiles carried 16384 (forward) and 8192 (backward, x and dy live) elements. Not yet swept for
+# the qk kernels.
+QK_FWD_TILE_ELEMS = 16384
+QK_BWD_TILE_ELEMS = 8192
+# Fewest rows per tile: below it a tile's loads are too short to hide latency; above QK_MAX_TILE_M the
+# row reductions of one tile get long for no more bytes in flight (256 rows of 64 bf16 = 32 KB).
+QK_MIN_TILE_M = 16
+QK_MAX_TILE_M = 256
+# Blocks per SM and compiler hints: the plain norm's settings for rows of at most 1024 columns (forward:
+# FWD_TINY_*, experiment 15) and for narrow backward rows (BWD_NARROW_*, experiments 6, 15).
+QK_FWD_BLOCKS_PER_SM = FWD_TINY_BLOCKS_PER_SM
+QK_FWD_OCCUPANCY = FWD_NARROW_OCCUPANCY
+QK_BWD_BLOCKS_PER_SM = BWD_NARROW_BLOCKS_PER_SM
+QK_BWD_OCCUPANCY = BWD_NARROW_OCCUPANCY
+
+
+@dataclass(frozen=True)
+class QKConfig:
+    tile_n: int  # TILE_N >= D, one tile per row
+    fwd_tile_m: int
+    bwd_tile_m: int
+    fwd_grid: int
+    bwd_grid: int  # also the rows of the (grid, 2, D) dw partial buffer
+    fwd_hints: Hints = ()
+    bwd_hints: Hints = ()
+
+
+def _qk_tile_m(rows: int, tile_n: int, target_elems: int, num_sms: int) -> int:
+    """Rows per tile: ``target_elems`` worth, but small enough that few rows still give a tile to every SM
+    (a power of two of M's bucket, so one compiled variant per bucket below the target)."""
+    by_size = prev_pow2(max(target_elems // tile_n, 1))
+    by_rows = prev_pow2(max(rows // max(num_sms, 1), 1))
+    return max(QK_MIN_TILE_M, min(QK_MAX_TILE_M, by_size, by_rows))
+
+
+def qk_config(m_q: int, m_k: int, d: int, dtype: torch.dtype, num_sms: int) -> QKConfig:
+    """Tiles, grids and hints of the qk kernels for ``m_q`` rows of q and ``m_k`` rows of k (tiles from
+    the rows' power-of-two bucket; the grid follows the real row counts)."""
+    del dtype  # tiles are counted in elements: the 16-bit and fp32 settings have not been told apart yet
+    tile_n = next_pow2(d)
+    if tile_n > QK_MAX_TILE_N:
+        raise ValueError(f"qk_rms_norm's cuTile kernels take head dims of at most {QK_MAX_TILE_N}, got {d}")
+    bucket = m_bucket(m_q + m_k)
+    fwd_m = _qk_tile_m(bucket, tile_n, QK_FWD_TILE_ELEMS, num_sms)
+    bwd_m = _qk_tile_m(bucket, tile_n, QK_BWD_TILE_ELEMS, num_sms)
+
+    def grid(tile_m, blocks_per_sm):  # never more blocks than row tiles
+        return max(1, min(num_sms * blocks_per_sm, cdiv(m_q, tile_m) + cdiv(m_k, tile_m)))
+
+    return QKConfig(
+        tile_n,
+        fwd_m,
+        bwd_m,
+        grid(fwd_m, QK_FWD_BLOCKS_PER_SM),
+        grid(bwd_m, QK_BWD_BLOCKS_PER_SM),
+        _hints(occupancy=QK_FWD_OCCUPANCY),
+        _hints(occupancy=QK_BWD_OCCUPANCY),
+    )
