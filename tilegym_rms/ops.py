@@ -632,8 +632,8 @@ def qk_rms_norm(q, k, q_weight=None, k_weight=None, eps=1e-6, *, offset=0.0, cas
     DTensor inputs take :func:`rms_norm` on each tensor.
     """
     eps, offset = _checks.check_inputs(q, q_weight, eps, offset, casting_mode)
-    _checks.check_inputs(k, k_weight, eps, offset, casting_mode)
     _checks.check_qk_pair(q, k)
+    _checks.check_inputs(k, k_weight, eps, offset, casting_mode)
     if type(q) is not torch.Tensor and _dtensor.is_dtensor(q):  # the norm's sharding rules cover each tensor
         kw = dict(offset=offset, casting_mode=casting_mode, backend=backend)
         return rms_norm(q, q_weight, eps, **kw), rms_norm(k, k_weight, eps, **kw)
