@@ -46,6 +46,11 @@ QK_NORM_N = (64, 128, 256)
 QUICK_QK_NORM_M = (1 << 16, 1 << 20)
 QUICK_QK_NORM_N = (128,)
 QK_NORM_OPS = ("qk_fwd", "qk_bwd")
+# The measures with an M x N grid of their own: (dtype, M, N, quick M, quick N, ops).
+OWN_GRIDS = {
+    "fused_add": (FUSED_ADD_DTYPE, FUSED_ADD_M, FUSED_ADD_N, QUICK_FUSED_ADD_M, QUICK_FUSED_ADD_N, FUSED_ADD_OPS),
+    "qk_norm": (QK_NORM_DTYPE, QK_NORM_M, QK_NORM_N, QUICK_QK_NORM_M, QUICK_QK_NORM_N, QK_NORM_OPS),
+}
 # The fixed suites: dtype unless --dtype names one, then the (M, N) shapes of a full run and of --quick.
 SUITES = {
     "latency": ("bf16", [(m, LATENCY_N) for m in LATENCY_M], [(m, LATENCY_N) for m in QUICK_LATENCY_M]),
@@ -139,17 +144,12 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, str, list[tuple[str, 
         if measure in GRID_MEASURES:
             out.append((measure, measure, "grid", grid_configs(args.dtype, args.M, args.N)))
             continue
-        if measure == "fused_add":
-            dtypes = args.dtype if args.explicit_dtype else [FUSED_ADD_DTYPE]
-            ms = args.M if args.explicit_M else (QUICK_FUSED_ADD_M if args.quick else FUSED_ADD_M)
-            ns = args.N if args.explicit_N else (QUICK_FUSED_ADD_N if args.quick else FUSED_ADD_N)
-            out += [(measure, op, measure, grid_configs(dtypes, list(ms), list(ns))) for op in FUSED_ADD_OPS]
-            continue
-        if measure == "qk_norm":
-            dtypes = args.dtype if args.explicit_dtype else [QK_NORM_DTYPE]
-            ms = args.M if args.explicit_M else (QUICK_QK_NORM_M if args.quick else QK_NORM_M)
-            ns = args.N if args.explicit_N else (QUICK_QK_NORM_N if args.quick else QK_NORM_N)
-            out += [(measure, op, measure, grid_configs(dtypes, list(ms), list(ns))) for op in QK_NORM_OPS]
+        if measure in OWN_GRIDS:
+            dtype, ms, ns, quick_ms, quick_ns, ops = OWN_GRIDS[measure]
+            dtypes = args.dtype if args.explicit_dtype else [dtype]
+            ms = args.M if args.explicit_M else (quick_ms if args.quick else ms)
+            ns = args.N if args.explicit_N else (quick_ns if args.quick else ns)
+            out += [(measure, op, measure, grid_configs(dtypes, list(ms), list(ns))) for op in ops]
             continue
         dtype, shapes, quick_shapes = SUITES[measure]
         dtypes = args.dtype if args.explicit_dtype else [dtype]
