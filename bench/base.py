@@ -59,6 +59,10 @@ FUSED_ADD_PROVIDERS_DEFAULT = (
     "quack",
 )
 
+# QK-norm (bench_rmsnorm.py --measure qk_norm): q of M rows in QK_HEADS[0] heads, k in QK_HEADS[1] (GQA).
+QK_HEADS = (16, 4)
+QK_PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "torch", "torch.compile", "liger")
+
 METHOD_TEXT = {
     "profiler": "sum of device kernel+memcpy+memset durations (torch.profiler/CUPTI) per call",
     "cuda-events": "CUDA-event elapsed time per repetition / calls (includes launch gaps)",

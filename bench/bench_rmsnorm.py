@@ -19,7 +19,7 @@ except ImportError:  # run as a script: bench/ is on sys.path
 
 KERNEL_NAME = "rms_norm"
 JSON_NAME = "rms_norm.json"
-MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add")
+MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add", "qk_norm")
 GRID_MEASURES = ("forward", "backward", "full")
 QUICK_DEFAULT_MEASURES = GRID_MEASURES
 
@@ -39,6 +39,18 @@ FUSED_ADD_N = (2048, 4096, 5120, 8192)
 QUICK_FUSED_ADD_M = (4096,)
 QUICK_FUSED_ADD_N = (2048, 8192)
 FUSED_ADD_OPS = ("fused_add_fwd", "fused_add_bwd")
+# QK-norm (issue #13): M rows of q (k has M/4: base.QK_HEADS) x head dim N, unless --M/--N name others.
+QK_NORM_DTYPE = "bf16"
+QK_NORM_M = tuple(1 << e for e in range(14, 23, 2))
+QK_NORM_N = (64, 128, 256)
+QUICK_QK_NORM_M = (1 << 16, 1 << 20)
+QUICK_QK_NORM_N = (128,)
+QK_NORM_OPS = ("qk_fwd", "qk_bwd")
+# The measures with an M x N grid of their own: (dtype, M, N, quick M, quick N, ops).
+OWN_GRIDS = {
+    "fused_add": (FUSED_ADD_DTYPE, FUSED_ADD_M, FUSED_ADD_N, QUICK_FUSED_ADD_M, QUICK_FUSED_ADD_N, FUSED_ADD_OPS),
+    "qk_norm": (QK_NORM_DTYPE, QK_NORM_M, QK_NORM_N, QUICK_QK_NORM_M, QUICK_QK_NORM_N, QK_NORM_OPS),
+}
 # The fixed suites: dtype unless --dtype names one, then the (M, N) shapes of a full run and of --quick.
 SUITES = {
     "latency": ("bf16", [(m, LATENCY_N) for m in LATENCY_M], [(m, LATENCY_N) for m in QUICK_LATENCY_M]),
@@ -68,8 +80,14 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              fused_add_bwd  the forward graph is built OUTSIDE the timed region; the timed call is
                             torch.autograd.grad((y, s), (x, r, w), (dy, ds), retain_graph=True);
                             traffic = read dy, ds, s, w, rstd (M fp32) + write dx (= dr), dw.
-  An explicit --dtype also applies to latency, ascend-rs, large and fused_add; --M/--N only to the grid
-  measures and fused_add.
+  qk_norm    QK-norm: (q_out, k_out) = provider(q, k, wq, wk), q of M rows as (M/16, 16 heads, N), k of M/4
+             rows (4 heads); M in {2^14, 2^16, ..., 2^22} x head dim N in {64, 128, 256}, bf16. Two ops:
+             qk_fwd  under torch.no_grad(); traffic = the forward of q and of k (read x, w; write y).
+             qk_bwd  the forward graph is built OUTSIDE the timed region; the timed call is
+                     torch.autograd.grad((yq, yk), (q, k, wq, wk), (dyq, dyk), retain_graph=True);
+                     traffic = the backward of q and of k (read x, dy, w, rstd; write dx, dw).
+  An explicit --dtype also applies to latency, ascend-rs, large, fused_add and qk_norm; --M/--N only to the
+  grid measures, fused_add and qk_norm.
 
 providers: tilegym_rms-cutile, tilegym_rms-triton (those available_backends() says can run), torch
 (eager F.rms_norm), torch.compile (Llama-style fp32 RMSNorm, dynamic=False), liger (LigerRMSNormFunction,
@@ -78,6 +96,8 @@ fused_add providers: tilegym_rms-cutile, tilegym_rms-triton (tilegym_rms.fused_a
 tilegym_rms-unfused (x + r, then tilegym_rms.rms_norm), torch (eager x + r, F.rms_norm), torch.compile (of
 that function), liger (LigerFusedAddRMSNormFunction), quack (quack.rmsnorm.rmsnorm, residual=r,
 prenorm=True); tilegym_rms-torch on request. --providers applies to both lists.
+qk_norm providers: tilegym_rms-cutile (tilegym_rms.qk_rms_norm, one launch each way), and each of torch,
+torch.compile and liger called on q and on k; tilegym_rms-triton / -torch on request.
 """
 
 EPILOG = """\
@@ -97,6 +117,7 @@ examples:
   python bench/bench_rmsnorm.py --measure latency,ascend-rs,large
   python bench/bench_rmsnorm.py --measure full --dtype bf16 --M 32768 --providers tilegym_rms-cutile,liger
   python bench/bench_rmsnorm.py --measure fused_add
+  python bench/bench_rmsnorm.py --measure qk_norm
 exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 """
 
@@ -123,11 +144,12 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, str, list[tuple[str, 
         if measure in GRID_MEASURES:
             out.append((measure, measure, "grid", grid_configs(args.dtype, args.M, args.N)))
             continue
-        if measure == "fused_add":
-            dtypes = args.dtype if args.explicit_dtype else [FUSED_ADD_DTYPE]
-            ms = args.M if args.explicit_M else (QUICK_FUSED_ADD_M if args.quick else FUSED_ADD_M)
-            ns = args.N if args.explicit_N else (QUICK_FUSED_ADD_N if args.quick else FUSED_ADD_N)
-            out += [(measure, op, measure, grid_configs(dtypes, list(ms), list(ns))) for op in FUSED_ADD_OPS]
+        if measure in OWN_GRIDS:
+            dtype, ms, ns, quick_ms, quick_ns, ops = OWN_GRIDS[measure]
+            dtypes = args.dtype if args.explicit_dtype else [dtype]
+            ms = args.M if args.explicit_M else (quick_ms if args.quick else ms)
+            ns = args.N if args.explicit_N else (quick_ns if args.quick else ns)
+            out += [(measure, op, measure, grid_configs(dtypes, list(ms), list(ns))) for op in ops]
             continue
         dtype, shapes, quick_shapes = SUITES[measure]
         dtypes = args.dtype if args.explicit_dtype else [dtype]
@@ -175,22 +197,30 @@ TITLES = {
     "ascend-rs": "RMSNorm ascend-rs suite",
     "large": "RMSNorm large hidden sizes",
     "fused_add": "Residual add + RMSNorm (mode pre)",
+    "qk_norm": "QK-norm (q and k per head)",
 }
-OP_TITLES = {"fused_add_fwd": "forward", "fused_add_bwd": "backward (autograd)"}
+OP_TITLES = {
+    "fused_add_fwd": "forward",
+    "fused_add_bwd": "backward (autograd)",
+    "qk_fwd": "forward",
+    "qk_bwd": "backward (autograd)",
+}
 
 
 def split_providers(args: argparse.Namespace) -> None:
-    """--providers for the RMSNorm measures (rms_providers) and for fused_add (fused_providers); without
-    --providers each list has its own default. A list is empty when no measure needs it."""
-    rms = [m for m in args.measure if m != "fused_add"]
-    fused = "fused_add" in args.measure
+    """--providers for the RMSNorm measures (rms_providers), fused_add (fused_providers) and qk_norm
+    (qk_providers); without --providers each list has its own default. A list is empty when no measure needs it."""
+    rms = [m for m in args.measure if m not in ("fused_add", "qk_norm")]
+    fused, qk = "fused_add" in args.measure, "qk_norm" in args.measure
     if args.explicit_providers:
         args.rms_providers = list(args.providers) if rms else []
         args.fused_providers = list(args.providers) if fused else []
+        args.qk_providers = list(args.providers) if qk else []
     else:
         args.rms_providers = list(base.PROVIDERS_DEFAULT) if rms else []
         args.fused_providers = list(base.FUSED_ADD_PROVIDERS_DEFAULT) if fused else []
-        args.providers = list(dict.fromkeys(args.rms_providers + args.fused_providers))
+        args.qk_providers = list(base.QK_PROVIDERS_DEFAULT) if qk else []
+        args.providers = list(dict.fromkeys(args.rms_providers + args.fused_providers + args.qk_providers))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -185,6 +185,31 @@ def discover_fused_add_providers(
     return found, skipped
 
 
+def discover_qk_providers(
+    names: list[str], device: torch.device, eps: float, tilegym_rms=None, tilegym_rms_error: str = ""
+) -> tuple[list[Provider], dict[str, str]]:
+    """The requested QK-norm providers that can run on ``device``, and a reason for each skipped one. Each
+    ``forward`` is (q, k, wq, wk) -> (q_out, k_out), autograd-capable: ours in one call, the peers' RMSNorm
+    called on each tensor."""
+    plain, skipped = discover_providers(
+        [n for n in names if not n.startswith("tilegym_rms-")], device, eps, tilegym_rms, tilegym_rms_error
+    )
+    found = [Provider(p.name, lambda q, k, wq, wk, f=p.forward: (f(q, wq), f(k, wk))) for p in plain]
+    avail, tilegym_rms, tilegym_rms_error = _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error)
+    for name in (n for n in names if n.startswith("tilegym_rms-")):
+        backend = name.split("-", 1)[1]
+        ok, why = avail.get(backend, (False, f"tilegym_rms not importable ({tilegym_rms_error})"))
+        if not ok:
+            skipped[name] = why or "not available"
+            continue
+
+        def qk(q, k, wq, wk, mod=tilegym_rms, backend=backend):
+            return mod.qk_rms_norm(q, k, wq, wk, eps, backend=backend)
+
+        found.insert(0, Provider(name, qk))
+    return found, skipped
+
+
 def eager_fused_add_rms_norm(eps: float) -> Callable:
     """(x, r, w) -> (y, s): ``s = x + r; y = F.rms_norm(s, (N,), w, eps)`` (eps a closure constant, so that a
     compiled graph specializes on it)."""
@@ -226,16 +251,23 @@ class InputSets:
         eps: float,
         need_dy: bool = True,
         need_residual: bool = False,
+        qk: bool = False,
     ):
         g = torch.Generator(device=device)
         g.manual_seed(seed)
         self.n = n
-        self.x = [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)]
+        # QK-norm: x holds q as (tokens, heads, head_dim); k, wk and dyk hold the keys' tensors
+        q_shape = (m // base.QK_HEADS[0], base.QK_HEADS[0], n_cols) if qk else (m, n_cols)
+        self.x = [torch.randn(q_shape, dtype=dtype, device=device, generator=g) for _ in range(n)]
         self.w = [
             (1.0 + 0.1 * torch.randn(n_cols, dtype=torch.float32, device=device, generator=g)).to(dtype)
             for _ in range(n)
         ]
-        self.dy = [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)] if need_dy else []
+        self.dy = [torch.randn(q_shape, dtype=dtype, device=device, generator=g) for _ in range(n)] if need_dy else []
+        k_shape = (q_shape[0], base.QK_HEADS[1], n_cols)
+        self.k = [torch.randn(k_shape, dtype=dtype, device=device, generator=g) for _ in range(n)] if qk else []
+        self.wk = [(1.0 + 0.1 * torch.randn(n_cols, device=device, generator=g)).to(dtype) for _ in self.k]
+        self.dyk = [torch.randn(k_shape, dtype=dtype, device=device, generator=g) for _ in self.k] if need_dy else []
         # fused add: the residual r and, for the backward, the gradient of residual_out
         self.r = (
             [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)] if need_residual else []
@@ -261,6 +293,14 @@ class InputSets:
         return [w.detach().requires_grad_(True) for w in self.w]
 
     @cached_property
+    def kg(self) -> list[torch.Tensor]:
+        return [k.detach().requires_grad_(True) for k in self.k]
+
+    @cached_property
+    def wkg(self) -> list[torch.Tensor]:
+        return [w.detach().requires_grad_(True) for w in self.wk]
+
+    @cached_property
     def rg(self) -> list[torch.Tensor]:
         return [r.detach().requires_grad_(True) for r in self.r]
 
@@ -275,6 +315,23 @@ def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[
     built here and ``call`` replays ``torch.autograd.grad((y, residual_out), (x, r, w), (dy, dres),
     retain_graph=True)``.
     """
+    if op == "qk_fwd":
+
+        def call_qk_fwd(i):
+            with torch.no_grad():
+                yq, yk = provider.forward(sets.x[i], sets.k[i], sets.w[i], sets.wk[i])
+            return {"y": yq, "y_k": yk}
+
+        return call_qk_fwd, ""
+    if op == "qk_bwd":
+        outs = [provider.forward(sets.xg[i], sets.kg[i], sets.wg[i], sets.wkg[i]) for i in range(sets.n)]
+
+        def call_qk_bwd(i):
+            leaves = (sets.xg[i], sets.kg[i], sets.wg[i], sets.wkg[i])
+            dq, dk, dwq, dwk = torch.autograd.grad(outs[i], leaves, (sets.dy[i], sets.dyk[i]), retain_graph=True)
+            return {"dx": dq, "dw": dwq, "dx_k": dk, "dw_k": dwk}
+
+        return call_qk_bwd, ""
     if op == "fused_add_fwd":
 
         def call_fused_fwd(i):
@@ -339,6 +396,12 @@ def relative_errors(
 
 def output_errors(op: str, sets: InputSets, eps: float, outputs: dict) -> dict[str, float]:
     """Relative errors of ``outputs`` (of ``op`` on set 0) against float64 math."""
+    if op in ("qk_fwd", "qk_bwd"):  # q's outputs by their plain names, k's with the suffix _k
+        k_outs = {name[:-2]: v for name, v in outputs.items() if name.endswith("_k")}
+        errs = relative_errors(sets.k[0], sets.wk[0], eps, k_outs, sets.dyk[0] if sets.dyk else None)
+        q_outs = {name: v for name, v in outputs.items() if not name.endswith("_k")}
+        q_errs = relative_errors(sets.x[0], sets.w[0], eps, q_outs, sets.dy[0] if sets.dy else None)
+        return q_errs | {f"{name}_k": e for name, e in errs.items()}
     if op in ("fused_add_fwd", "fused_add_bwd"):
         dy = sets.dy[0] if sets.dy else None
         dres = sets.dres[0] if sets.dres else None

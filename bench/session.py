@@ -61,6 +61,9 @@ class Session:
         # residual add fused with RMSNorm: providers with forward (x, r, w) -> (y, residual_out)
         self.fused_providers: list[providers.Provider] = []
         self.fused_skipped: dict[str, str] = {}
+        # QK-norm: providers with forward (q, k, wq, wk) -> (q_out, k_out)
+        self.qk_providers: list[providers.Provider] = []
+        self.qk_skipped: dict[str, str] = {}
         self.aborted = False
         self.extra_points: list[tuple] = []  # free-form extras a script records (e.g. workspace sizes)
 
@@ -80,6 +83,9 @@ class Session:
         fused_names = getattr(self.args, "fused_providers", None) or []
         if rms_names:
             self.providers, self.skipped = self._discover(providers.discover_providers, rms_names, "")
+        qk_names = getattr(self.args, "qk_providers", None) or []
+        if qk_names:
+            self.qk_providers, self.qk_skipped = self._discover(providers.discover_qk_providers, qk_names, "qk-norm ")
         if fused_names:
             self.fused_providers, self.fused_skipped = self._discover(
                 providers.discover_fused_add_providers, fused_names, "fused add "
@@ -214,7 +220,8 @@ class Session:
             try:
                 sets = providers.InputSets(
                     m, n, dtype, self.device, n_sets, self.args.seed, self.args.eps,
-                    need_dy=op not in ("forward", "fused_add_fwd"), need_residual=fused,
+                    need_dy=op not in ("forward", "fused_add_fwd", "qk_fwd"), need_residual=fused,
+                    qk=op in traffic.QK_OPS,
                 )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the largest shapes
                 err = base.short_error(exc)
@@ -277,6 +284,8 @@ class Session:
         return points
 
     def providers_for(self, op: str) -> list[providers.Provider]:
+        if op in traffic.QK_OPS:
+            return self.qk_providers
         return self.fused_providers if op in traffic.FUSED_ADD_OPS else self.providers
 
     def keep(self, p: records.Point, points: list[records.Point], idx: int, total: int) -> None:
@@ -370,7 +379,7 @@ def start_session(args, dry_run_plan, kernel_name: str, json_name: str):
         return code
     session = Session(args, kernel_name, json_name)
     session.start()
-    if not session.providers and not session.fused_providers:
+    if not session.providers and not session.fused_providers and not session.qk_providers:
         print("no provider can run; nothing to do", file=sys.stderr)
         return 2
     return session

@@ -226,3 +226,39 @@ def test_fused_add_measure_cpu_mode(tmp_path, monkeypatch, capsys):
         assert json.loads(rec["extra_benchmark_config_str"])["suite"] == "fused_add"
         assert rec["x_values"] == [256] and not rec.get("mismatch_x_values")
         assert all(0 <= e <= base.TOLERANCE["bf16"] for e in rec["rel_err"])
+
+
+def test_qk_norm_bytes_count_q_and_k():
+    m, n = 1 << 14, 128
+    mk = m // base.QK_HEADS[0] * base.QK_HEADS[1]
+    assert traffic.op_bytes("qk_fwd", m, n, 2) == 2 * (m + mk) * n * 2 + 2 * n * 2
+    assert traffic.op_bytes("qk_bwd", m, n, 2) == 3 * (m + mk) * n * 2 + 4 * n * 2 + 4 * (m + mk)
+
+
+def test_qk_norm_measure_cpu_mode(tmp_path, monkeypatch, capsys):
+    """--measure qk_norm in the CPU test mode: forward and backward points of ours and a peer called twice,
+    each checked against float64 for q and for k."""
+    monkeypatch.setenv(base.CPU_ENV, "1")
+    import bench_rmsnorm
+
+    argv = ["--measure", "qk_norm", "--M", "256", "--N", "64", "--reps", "2", "--out", str(tmp_path)]
+    argv += ["--providers", "tilegym_rms-torch,torch", "--no-plot"]
+    assert bench_rmsnorm.main(argv) == 0
+    assert "QK-norm (q and k per head), backward (autograd)" in capsys.readouterr().out
+    saved = [r for r in json.loads((tmp_path / "rms_norm.json").read_text()) if r["metric_name"] == "throughput"]
+    assert {r["kernel_operation_mode"] for r in saved} == {"qk_fwd", "qk_bwd"}
+    assert {r["kernel_provider"] for r in saved} == {"tilegym_rms-torch", "torch"}
+    for rec in saved:
+        assert json.loads(rec["extra_benchmark_config_str"])["suite"] == "qk_norm"
+        assert rec["x_values"] == [64] and not rec.get("mismatch_x_values")
+        assert all(0 <= e <= base.TOLERANCE["bf16"] for e in rec["rel_err"])
+
+
+def test_qk_norm_check_sees_a_wrong_k():
+    sets = providers.InputSets(64, 32, torch.float32, "cpu", 1, 0, 1e-6, need_dy=False, qk=True)
+    q, k, wq, wk = sets.x[0], sets.k[0], sets.w[0], sets.wk[0]
+    f = torch.nn.functional.rms_norm
+    good = {"y": f(q, (32,), wq, 1e-6), "y_k": f(k, (32,), wk, 1e-6)}
+    assert providers.check_ok(providers.output_errors("qk_fwd", sets, 1e-6, good), "fp32")
+    bad = good | {"y_k": good["y_k"] * 1.01}
+    assert not providers.check_ok(providers.output_errors("qk_fwd", sets, 1e-6, bad), "fp32")

@@ -43,9 +43,30 @@ def fused_add_backward_bytes(m: int, n: int, elt: int, w_elt: int | None = None)
 
 
 FUSED_ADD_OPS = ("fused_add_fwd", "fused_add_bwd")
+QK_OPS = ("qk_fwd", "qk_bwd")
+
+
+def qk_rows(m: int) -> tuple[int, int]:
+    """Rows of q and of k when q has ``m`` rows (k has fewer heads: GQA)."""
+    hq, hk = base.QK_HEADS
+    return m, m // hq * hk
+
+
+def qk_forward_bytes(m: int, n: int, elt: int) -> int:
+    """Minimal QK-norm forward traffic: the forward of q and of k, each with its weight."""
+    return sum(forward_bytes(rows, n, elt) for rows in qk_rows(m))
+
+
+def qk_backward_bytes(m: int, n: int, elt: int) -> int:
+    """Minimal QK-norm backward traffic: the backward of q and of k (x, dy, w, rstd read; dx, dw written)."""
+    return sum(backward_bytes(rows, n, elt) for rows in qk_rows(m))
 
 
 def op_bytes(op: str, m: int, n: int, elt: int) -> int:
+    if op == "qk_fwd":
+        return qk_forward_bytes(m, n, elt)
+    if op == "qk_bwd":
+        return qk_backward_bytes(m, n, elt)
     if op == "fused_add_fwd":
         return fused_add_forward_bytes(m, n, elt)
     if op == "fused_add_bwd":
@@ -61,6 +82,8 @@ def op_bytes(op: str, m: int, n: int, elt: int) -> int:
 
 def read_bytes(op: str, m: int, n: int, elt: int) -> int:
     """Bytes one call reads from its input set (what the rotation has to push out of L2)."""
+    if op in QK_OPS:
+        return sum(read_bytes("forward" if op == "qk_fwd" else "backward", rows, n, elt) for rows in qk_rows(m))
     if op == "fused_add_fwd":
         return 2 * m * n * elt + n * elt
     if op == "fused_add_bwd":

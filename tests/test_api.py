@@ -239,7 +239,7 @@ def test_backend_modules_satisfy_the_contract(name):
     def params(fn):
         return [p for p in inspect.signature(fn).parameters if p != "self"]
 
-    for proto in (dispatch.Backend, dispatch.FusedAddBackend, dispatch.WorkspaceBackend):
+    for proto in (dispatch.Backend, dispatch.FusedAddBackend, dispatch.QKNormBackend, dispatch.WorkspaceBackend):
         members = [m for m in vars(proto) if not m.startswith("_") and callable(getattr(proto, m))]
         if proto is not dispatch.Backend and not isinstance(module, proto):
             continue
@@ -254,3 +254,10 @@ def test_kernel_values_a_backend_does_not_know_are_rejected():
         tilegym_rms.rms_norm(torch.randn(2, 4), kernel="gather")
     with pytest.raises(ValueError, match="backend 'torch' has one forward kernel"):
         tilegym_rms.rms_norm_forward(torch.randn(2, 4), kernel="persistent")
+
+
+def test_qk_norm_protocol_is_optional_and_cutile_has_it():
+    """cutile takes q and k in one launch; torch and triton fall back to their plain norm on each."""
+    assert {
+        name for name in tilegym_rms.BACKENDS if isinstance(dispatch.backend_module(name), dispatch.QKNormBackend)
+    } == {"cutile"}

@@ -224,3 +224,48 @@ def test_split_row_is_exact_for_common_widths_and_never_wider_than_padding():
         head, tail = config.split_row(n)
         assert head & (head - 1) == 0 and tail & (tail - 1) == 0 and tail < head
         assert n <= head + tail <= config.next_pow2(n) and (tail == 0 or head < n)
+
+
+# ------------------------------------------------------------------------------------------------
+# QK-norm
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("m_k", [1, 100, 4096, 1 << 18, 1 << 22])
+def test_qk_config_invariants(d, m_k):
+    m_q = 4 * m_k  # GQA
+    c = config.qk_config(m_q, m_k, d, BF16, SMS)
+    assert c.tile_n == config.next_pow2(d) >= d
+    for tile_m, grid, elems, blocks in (
+        (c.fwd_tile_m, c.fwd_grid, config.HEURISTICS.qk_fwd_tile_elems, config.HEURISTICS.qk_fwd_blocks_per_sm),
+        (c.bwd_tile_m, c.bwd_grid, config.HEURISTICS.qk_bwd_tile_elems, config.HEURISTICS.qk_bwd_blocks_per_sm),
+    ):
+        assert (
+            tile_m & (tile_m - 1) == 0 and config.HEURISTICS.qk_min_tile_m <= tile_m <= config.HEURISTICS.qk_max_tile_m
+        )
+        assert tile_m * c.tile_n <= max(elems, config.HEURISTICS.qk_min_tile_m * c.tile_n)
+        tiles = config.cdiv(m_q, tile_m) + config.cdiv(m_k, tile_m)
+        assert 1 <= grid <= min(tiles, SMS * blocks)  # never an idle block, never more than the SMs hold
+    assert dict(c.fwd_hints) == {"occupancy": config.HEURISTICS.qk_fwd_occupancy}
+
+
+def test_qk_tiles_are_large_at_many_rows_and_shrink_to_fill_the_sms_at_few():
+    many = config.qk_config(1 << 22, 1 << 20, 128, BF16, SMS)
+    assert (
+        many.fwd_tile_m == config.HEURISTICS.qk_fwd_tile_elems // 128
+        and many.bwd_tile_m == config.HEURISTICS.qk_bwd_tile_elems // 128
+    )
+    assert many.fwd_grid == SMS * config.HEURISTICS.qk_fwd_blocks_per_sm
+    few = config.qk_config(8192, 2048, 128, BF16, SMS)
+    assert few.fwd_tile_m < many.fwd_tile_m and config.cdiv(8192 + 2048, few.fwd_tile_m) >= SMS // 2
+
+
+def test_qk_tiles_depend_on_the_rows_bucket_only():
+    a, b = config.qk_config(40000, 10000, 128, BF16, SMS), config.qk_config(50000, 12000, 128, BF16, SMS)
+    assert (a.fwd_tile_m, a.bwd_tile_m, a.tile_n) == (b.fwd_tile_m, b.bwd_tile_m, b.tile_n)
+
+
+def test_qk_config_rejects_head_dims_wider_than_one_tile():
+    with pytest.raises(ValueError, match="head dims of at most 1024"):
+        config.qk_config(64, 64, 2048, BF16, SMS)

@@ -8,9 +8,11 @@ from .dispatch import BACKENDS, available_backends
 from .experimental import ExperimentalKernelWarning, experimental_kernel
 from .module import RMSNorm
 from .ops import (
+    QKRMSNormFunction,
     RMSNormFunction,
     backward_workspace_bytes,
     fused_add_rms_norm,
+    qk_rms_norm,
     rms_norm,
     rms_norm_backward,
     rms_norm_forward,
@@ -21,12 +23,14 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "ExperimentalKernelWarning",
+    "QKRMSNormFunction",
     "RMSNorm",
     "RMSNormFunction",
     "available_backends",
     "backward_workspace_bytes",
     "experimental_kernel",
     "fused_add_rms_norm",
+    "qk_rms_norm",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",

@@ -118,3 +118,17 @@ def check_rstd(rstd, x) -> None:
 def check_fused_mode(mode) -> None:
     if mode not in FUSED_ADD_MODES:
         raise ValueError(f"mode must be one of {', '.join(map(repr, FUSED_ADD_MODES))}, got {mode!r}")
+
+
+def check_qk_pair(q, k) -> None:
+    """``k`` beside ``q`` in :func:`tilegym_rms.qk_rms_norm`: one head dim, dtype and device (the head
+    counts and leading dims may differ)."""
+    check_tensor("k", k)
+    if not k.is_floating_point():
+        raise TypeError(f"k must be a floating-point tensor ({_dtype_names(KERNEL_DTYPES)}), got {k.dtype}")
+    if k.dim() == 0 or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k must have the head dim of q (last dim {q.shape[-1]}), got shape {tuple(k.shape)}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"q and k must have one dtype, got q {q.dtype}, k {k.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"q and k must be on one device, got q on {q.device}, k on {k.device}")

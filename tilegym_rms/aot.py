@@ -112,7 +112,7 @@ def variants_for(
 
 def variants() -> list[Variant]:
     """The distinct kernel variants reachable from the dispatcher over the representative grid."""
-    found: dict[Variant, None] = {}
+    found: dict[Variant, None] = dict.fromkeys(qk_variants())
     for dtype in DTYPES:
         for n in REPRESENTATIVE_N:
             for m in REPRESENTATIVE_M:
@@ -125,6 +125,46 @@ def variants() -> list[Variant]:
         for dtype in DTYPES:
             found.setdefault(Variant("rms_norm_dw_reduce", (_arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)))
         tile_n *= 2
+    return list(found)
+
+
+# ----------------------------------------------------------------------------------------------
+# QK-norm: the qk kernels on 3-D (G, H, D) views and the dw reduction of their partial buffer
+# ----------------------------------------------------------------------------------------------
+
+# Head dims of the common models; the other sizes of a head dim share these tile classes (96 pads to 128).
+QK_REPRESENTATIVE_D = (64, 128, 256)
+# GQA: 4 query heads per key head. Rows of q and k: a small and a large step, as REPRESENTATIVE_M.
+QK_HEADS_RATIO = 4
+
+
+def qk_variants_for(m: int, d: int, dtype, num_sms: int = REFERENCE_SMS, every_path: bool = True) -> list[Variant]:
+    """The qk kernel variants for ``m`` rows of k (``QK_HEADS_RATIO * m`` of q) of head dim ``d``: forward,
+    backward and the dw reduction; with ``every_path``, every casting mode and the no-weight variants on
+    bf16 (as :func:`variants_for`)."""
+    found: dict[Variant, None] = {}
+    cfg = config.qk_config(QK_HEADS_RATIO * m, m, d, dtype, num_sms)
+    x3, w1, r2 = _arr(dtype, 3), _arr(dtype, 1), _arr(_F32, 2)
+    combos = ((0, True, True), (1, True, True), (2, True, True), (0, False, False), (0, True, False))
+    for cast, has_wq, has_wk in combos if dtype == torch.bfloat16 and every_path else combos[:1]:
+        args = (x3, x3, w1, w1, x3, x3, r2, r2, _S, _S, cfg.fwd_tile_m, cfg.tile_n, cast, has_wq, has_wk)
+        found.setdefault(Variant("qk_rms_norm_fwd", args, cfg.fwd_hints), None)
+        args = (x3, x3, x3, x3, w1, w1, r2, r2, x3, x3, _arr(_F32, 3), _S, cfg.bwd_tile_m, cfg.tile_n)
+        found.setdefault(Variant("qk_rms_norm_bwd", (*args, has_wq, has_wk), cfg.bwd_hints), None)
+    for width in (d, 2 * d):  # one weight's columns, or both weights' reduced in one launch
+        red = config.reduce_config(width, num_sms)
+        found.setdefault(Variant("rms_norm_dw_reduce", (_arr(_F32, 2), w1, red.tile_g, red.tile_n)), None)
+    return list(found)
+
+
+def qk_variants() -> list[Variant]:
+    """The distinct qk variants over the representative head dims, dtypes and row counts (the casting and
+    weight axes at one head dim: they add no tile shape)."""
+    found: dict[Variant, None] = {}
+    for dtype in DTYPES:
+        for d in QK_REPRESENTATIVE_D:
+            for m in REPRESENTATIVE_M:
+                found.update(dict.fromkeys(qk_variants_for(m, d, dtype, every_path=d == 128)))
     return list(found)
 
 
@@ -173,9 +213,11 @@ def compile_variant(v: Variant, arch: str) -> int:
     return len(cubin(v, arch))
 
 
-def run(archs=ARCHS, jobs: int = 2, out=sys.stdout) -> int:
-    """Compiles every variant for every arch, prints a table; returns the number of failures."""
-    todo = [(v, a) for v in variants() for a in archs]
+def run(archs=ARCHS, jobs: int = 2, out=sys.stdout, only: list[Variant] | None = None) -> int:
+    """Compiles every variant (or those of ``only``) for every arch, prints a table; returns the number of
+    failures."""
+    chosen = variants() if only is None else only
+    todo = [(v, a) for v in chosen for a in archs]
 
     def one(item):
         v, a = item
@@ -192,7 +234,7 @@ def run(archs=ARCHS, jobs: int = 2, out=sys.stdout) -> int:
             failures += err is not None
             print(f"{v.describe():<72} {a:<7} {size:>8} {secs:>5.1f}  {err or 'ok'}", file=out, flush=True)
     print(
-        f"{len(todo) - failures} compiled, {failures} failed ({len(variants())} variants x {len(archs)} archs)",
+        f"{len(todo) - failures} compiled, {failures} failed ({len(chosen)} variants x {len(archs)} archs)",
         file=out,
     )
     return failures

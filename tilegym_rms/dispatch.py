@@ -1,7 +1,8 @@
 """Backend registry and selection, and the contract every backend module satisfies.
 
 A backend is a module satisfying :class:`Backend` (checked by ``tests/test_api.py``), plus, where it
-has them, the optional capabilities :class:`FusedAddBackend` and :class:`WorkspaceBackend`.
+has them, the optional capabilities :class:`FusedAddBackend`, :class:`QKNormBackend` and
+:class:`WorkspaceBackend`.
 
 Selection (``backend=None``): ``TILEGYM_RMS_BACKEND`` if set; else by device: ``npu`` -> triton
 (triton-ascend), ``cuda`` -> cutile where it can run, else triton, else torch; ``cpu`` -> torch.
@@ -43,6 +44,23 @@ class FusedAddBackend(Protocol):
                           store_rstd=True):  # fmt: skip
         """``(y, residual_out, rstd)`` for ``s = x + residual`` (same dtype); ``residual_out`` is ``s``
         (mode "pre") or ``y`` (mode "post")."""
+
+
+@runtime_checkable
+class QKNormBackend(Protocol):
+    """Optional: queries and keys normalized together, one launch each way (else :mod:`tilegym_rms.ops`
+    runs the plain norm on each). ``q`` and ``k`` arrive as 3-D ``(G, H, D)`` views with a dense last dim
+    and any strides in their first two dims (rows of one tensor never overlap), of one dtype and ``D``,
+    never empty; rows are numbered ``g * H + h``."""
+
+    def qk_forward(self, q, k, q_weight, k_weight, eps: float, offset: float, casting_mode: str):
+        """``(q_out, k_out, q_rstd, k_rstd)``: outputs contiguous ``(G, H, D)`` in the input dtype, rstd
+        contiguous ``(G, H)`` in :func:`tilegym_rms.reference.compute_dtype`."""
+
+    def qk_backward(self, q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset: float, casting_mode: str):
+        """``(dq, dk, dq_weight, dk_weight)``: contiguous ``(G, H, D)`` gradients in the input dtype (``dq_out``
+        and ``dk_out`` are views like ``q`` and ``k``, the rstd ``(G, H)``); each dw in its weight's dtype,
+        or None without that weight."""
 
 
 @runtime_checkable

@@ -110,7 +110,7 @@ def _reduce_config(device_index, n):
 
 def clear_caches() -> None:
     """Forget the cached configurations and launches (after a tuning script changed :mod:`.config`)."""
-    for cache in (_forward_config, _backward_config, _reduce_config, _forward_launch):
+    for cache in (_forward_config, _backward_config, _reduce_config, _forward_launch, _qk_config):
         cache.cache_clear()
 
 
@@ -204,3 +204,76 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
     red = _reduce_config(dev, n)
     launch(k.rms_norm_dw_reduce, (red.grid,), (dw_partial, dw, red.tile_g, red.tile_n), dev)
     return dx, dw
+
+
+# ----------------------------------------------------------------------------------------------
+# QK-norm (dispatch.QKNormBackend): q and k in one launch forward, one backward (and the dw reduction)
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _qk_config(device_index, m_q, m_k, d, dtype):
+    from .launch import num_sms
+
+    return config.qk_config(m_q, m_k, d, dtype, num_sms(device_index))
+
+
+def _tile_rows_along_dim0(*views):
+    """The kernels take row tiles along dim 0 of a ``(G, H, D)`` view. Where H > G (few, long groups: gaps
+    between batches only) every tile would hold G rows and pad the rest: the same rows are handed over as
+    ``(H, G, D)`` views instead (rstd too), which keeps the row order of the buffers."""
+    return tuple(v.transpose(0, 1) for v in views) if views[0].shape[1] > views[0].shape[0] else views
+
+
+def qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode):
+    """``(q_out, k_out, q_rstd, k_rstd)`` for 3-D views; see :class:`tilegym_rms.dispatch.QKNormBackend`."""
+    dev = q.get_device()
+    cfg = _qk_config(dev, q.shape[0] * q.shape[1], k.shape[0] * k.shape[1], q.shape[2], q.dtype)
+    yq, yk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    rq, rk = (t.new_empty(t.shape[:2], dtype=torch.float32) for t in (q, k))
+    qv, yqv, rqv = _tile_rows_along_dim0(_plain(q), yq, rq)
+    kv, ykv, rkv = _tile_rows_along_dim0(_plain(k), yk, rk)
+    args = (qv, kv, _weight_arg(q_weight, q), _weight_arg(k_weight, k), yqv, ykv, rqv, rkv, float(eps), float(offset))
+    args += (cfg.fwd_tile_m, cfg.tile_n, CASTING_CODES[casting_mode], q_weight is not None, k_weight is not None)
+    _launch()(_kernels().qk_rms_norm_fwd, (cfg.fwd_grid,), args, dev, cfg.fwd_hints)
+    return yq, yk, rq, rk
+
+
+def _reduce_dw(dw_partial, dw, dev) -> None:
+    """``dw = dw_partial.sum(0)`` in a fixed order (``rms_norm_dw_reduce``); ``dw_partial`` is 2-D."""
+    red = _reduce_config(dev, dw.shape[0])
+    _launch()(_kernels().rms_norm_dw_reduce, (red.grid,), (dw_partial, dw, red.tile_g, red.tile_n), dev)
+
+
+def _qk_dw(dw_partial, q_weight, k_weight, dev):
+    """Both weights' dw from the ``(grid, 2, D)`` partials: one reduction over ``2 * D`` columns when both
+    exist in one dtype, else one per weight over its slot."""
+    d = dw_partial.shape[2]
+    if q_weight is not None and k_weight is not None and q_weight.dtype == k_weight.dtype:
+        dw = q_weight.new_empty((2, d))
+        _reduce_dw(dw_partial.view(dw_partial.shape[0], 2 * d), dw.view(2 * d), dev)
+        return dw[0], dw[1]
+    dws = []
+    for slot, w in enumerate((q_weight, k_weight)):
+        dws.append(None if w is None else w.new_empty((d,)))
+        if w is not None:
+            _reduce_dw(dw_partial[:, slot], dws[-1], dev)
+    return tuple(dws)
+
+
+def qk_backward(q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, casting_mode):
+    """``(dq, dk, dq_weight, dk_weight)``; see :class:`tilegym_rms.dispatch.QKNormBackend`."""
+    del casting_mode  # the backward formula is the same for every casting mode
+    dev = q.get_device()
+    d = q.shape[2]
+    cfg = _qk_config(dev, q.shape[0] * q.shape[1], k.shape[0] * k.shape[1], d, q.dtype)
+    dq, dk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    has_w = q_weight is not None or k_weight is not None
+    # A dummy keeps the signature when there is no weight (nothing is written to it then).
+    dw_partial = q.new_empty((cfg.bwd_grid, 2, d) if has_w else (1, 1, 1), dtype=torch.float32)
+    qv = _tile_rows_along_dim0(_plain(dq_out), _plain(q), q_rstd, dq)
+    kv = _tile_rows_along_dim0(_plain(dk_out), _plain(k), k_rstd, dk)
+    args = (qv[0], kv[0], qv[1], kv[1], _weight_arg(q_weight, q), _weight_arg(k_weight, k), qv[2], kv[2], qv[3], kv[3])
+    args += (dw_partial, float(offset), cfg.bwd_tile_m, cfg.tile_n, q_weight is not None, k_weight is not None)
+    _launch()(_kernels().qk_rms_norm_bwd, (cfg.bwd_grid,), args, dev, cfg.bwd_hints)
+    return (dq, dk, *_qk_dw(dw_partial, q_weight, k_weight, dev)) if has_w else (dq, dk, None, None)

@@ -120,6 +120,24 @@ class Heuristics:
     reduce_max_tile_n: int = 32
     reduce_tile_elems: int = 4096
 
+    # QK-norm (qk_rms_norm): head dims are short (64-256), so the whole head is one tile (TILE_N =
+    # next_pow2(D)) and a tile holds many rows. Widest head dim the one-tile qk kernels serve.
+    qk_max_tile_n: int = 1024
+    # Elements per tile, forward and backward: the plain norm's narrow-row sizes (experiments 7, 11),
+    # whose best tiles carried 16384 (forward) and 8192 (backward: x and dy live) elements.
+    qk_fwd_tile_elems: int = 16384
+    qk_bwd_tile_elems: int = 8192
+    # Fewest rows per tile: below it a tile's loads are too short to hide latency; above qk_max_tile_m the
+    # row reductions of one tile get long for no more bytes in flight (256 rows of 64 bf16 = 32 KB).
+    qk_min_tile_m: int = 16
+    qk_max_tile_m: int = 256
+    # Blocks per SM and occupancy: the plain norm's settings for rows of at most 1024 columns (forward,
+    # experiment 15) and for narrow backward rows (experiments 6, 15).
+    qk_fwd_blocks_per_sm: int = 8
+    qk_fwd_occupancy: int = 2
+    qk_bwd_blocks_per_sm: int = 2
+    qk_bwd_occupancy: int = 2
+
 
 HEURISTICS = Heuristics()
 
@@ -357,3 +375,53 @@ def reduce_config(n: int, num_sms: int) -> ReduceConfig:
     p = HEURISTICS
     tile_n = _strip_width(n, num_sms, p.reduce_min_tile_n, p.reduce_max_tile_n)
     return ReduceConfig(p.reduce_tile_elems // tile_n, tile_n, cdiv(n, tile_n))
+
+
+# ----------------------------------------------------------------------------------------------
+# QK-norm (qk_rms_norm): one persistent launch over the row tiles of q, then of k
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QKConfig:
+    tile_n: int  # TILE_N >= D, one tile per row
+    fwd_tile_m: int
+    bwd_tile_m: int
+    fwd_grid: int
+    bwd_grid: int  # also the rows of the (grid, 2, D) dw partial buffer
+    fwd_hints: Hints = ()
+    bwd_hints: Hints = ()
+
+
+def _qk_tile_m(rows: int, tile_n: int, target_elems: int, num_sms: int, p: Heuristics) -> int:
+    """Rows per tile: ``target_elems`` worth, but small enough that few rows still give a tile to every SM
+    (a power of two of M's bucket, so one compiled variant per bucket below the target)."""
+    by_size = prev_pow2(max(target_elems // tile_n, 1))
+    by_rows = prev_pow2(max(rows // max(num_sms, 1), 1))
+    return max(p.qk_min_tile_m, min(p.qk_max_tile_m, by_size, by_rows))
+
+
+def qk_config(m_q: int, m_k: int, d: int, dtype: torch.dtype, num_sms: int) -> QKConfig:
+    """Tiles, grids and hints of the qk kernels for ``m_q`` rows of q and ``m_k`` rows of k (tiles from
+    the rows' power-of-two bucket; the grid follows the real row counts)."""
+    p = HEURISTICS
+    del dtype  # tiles are counted in elements: the 16-bit and fp32 settings have not been told apart yet
+    tile_n = next_pow2(d)
+    if tile_n > p.qk_max_tile_n:
+        raise ValueError(f"qk_rms_norm's cuTile kernels take head dims of at most {p.qk_max_tile_n}, got {d}")
+    bucket = m_bucket(m_q + m_k)
+    fwd_m = _qk_tile_m(bucket, tile_n, p.qk_fwd_tile_elems, num_sms, p)
+    bwd_m = _qk_tile_m(bucket, tile_n, p.qk_bwd_tile_elems, num_sms, p)
+
+    def grid(tile_m, blocks_per_sm):  # never more blocks than row tiles
+        return max(1, min(num_sms * blocks_per_sm, cdiv(m_q, tile_m) + cdiv(m_k, tile_m)))
+
+    return QKConfig(
+        tile_n,
+        fwd_m,
+        bwd_m,
+        grid(fwd_m, p.qk_fwd_blocks_per_sm),
+        grid(bwd_m, p.qk_bwd_blocks_per_sm),
+        _hints(occupancy=p.qk_fwd_occupancy),
+        _hints(occupancy=p.qk_bwd_occupancy),
+    )

@@ -325,3 +325,123 @@ def rms_norm_dw_reduce(dw_partial, dw, TILE_G: ct.Constant[int], TILE_N: ct.Cons
     for g in range(ct.cdiv(dw_partial.shape[0], TILE_G)):
         acc = acc + ct.load(dw_partial, (g, j), (TILE_G, TILE_N), padding_mode=_ZERO)
     ct.store(dw, (j,), ct.astype(ct.sum(acc, axis=0), dw.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# QK-norm (qk_rms_norm): q and k normalized in one launch, forward and backward
+#
+# Each tensor arrives as a 3-D view ``(G, H, D)`` with a dense last dim and any strides in its first two
+# dims, which covers every layout of a projection's output (contiguous, heads transposed, a slice of a
+# fused qkv output) without a copy. A row tile is ``TILE_M`` rows of one head: tile ``t`` is rows
+# ``[g * TILE_M, (g + 1) * TILE_M)`` of head ``h`` with ``(g, h) = divmod(t, H)``, so that consecutive
+# tiles read neighbouring heads of the same tokens. The blocks of one persistent grid stride over the
+# tiles of q, then carry on, in the same global order, over those of k. ``rstd`` is a ``(G, H)`` array.
+# ----------------------------------------------------------------------------------------------
+
+
+def _qk_tile_index(t, heads):
+    return t // heads, t % heads
+
+
+def _first_k_tile(num_q_tiles):
+    """The first k tile of this block: tile ``t`` of k is global tile ``num_q_tiles + t`` of the grid stride."""
+    nb = ct.num_blocks(0)
+    return (ct.bid(0) + nb - num_q_tiles % nb) % nb
+
+
+def _load_head_rows(x, g, h, TILE_M, TILE_N):
+    """One row tile of a ``(G, H, D)`` view as a ``(TILE_M, TILE_N)`` fp32 tile."""
+    return ct.reshape(_load_f32(x, (g, h, 0), (TILE_M, 1, TILE_N), 10), (TILE_M, TILE_N))
+
+
+def _store_head_rows(y, g, h, tile, TILE_M, TILE_N):
+    ct.store(y, (g, h, 0), ct.reshape(tile, (TILE_M, 1, TILE_N)), allow_tma=False, latency=3)
+
+
+def _qk_fwd_tile(x, wt, y, rstd, t, eps, TILE_M, TILE_N, CAST):
+    g, h = _qk_tile_index(t, x.shape[1])
+    xf = _load_head_rows(x, g, h, TILE_M, TILE_N)
+    r = _rstd_from_sum_sq(_sum_sq(xf), x.shape[2], eps, CAST, x.dtype)
+    _store_head_rows(y, g, h, _normalize(xf, r, wt, CAST, y.dtype), TILE_M, TILE_N)
+    ct.store(rstd, (g, h), r, allow_tma=False)
+
+
+@experimental_kernel
+@ct.kernel
+def qk_rms_norm_fwd(
+    q,
+    k,
+    wq,
+    wk,
+    yq,
+    yk,
+    rstd_q,
+    rstd_k,
+    eps,
+    offset,
+    TILE_M: ct.Constant[int],
+    TILE_N: ct.Constant[int],
+    CAST: ct.Constant[int],
+    HAS_WQ: ct.Constant[bool],
+    HAS_WK: ct.Constant[bool],
+):
+    """Both weights are loaded once per block; then the block normalizes its q tiles and its k tiles
+    (``TILE_N >= D``), storing rstd of every row."""
+    wtq = _effective_weight(wq, 0, offset, TILE_N, HAS_WQ, CAST, q.dtype)
+    wtk = _effective_weight(wk, 0, offset, TILE_N, HAS_WK, CAST, k.dtype)
+    num_q_tiles = ct.cdiv(q.shape[0], TILE_M) * q.shape[1]
+    for t in range(ct.bid(0), num_q_tiles, ct.num_blocks(0)):
+        _qk_fwd_tile(q, wtq, yq, rstd_q, t, eps, TILE_M, TILE_N, CAST)
+    for t in range(_first_k_tile(num_q_tiles), ct.cdiv(k.shape[0], TILE_M) * k.shape[1], ct.num_blocks(0)):
+        _qk_fwd_tile(k, wtk, yk, rstd_k, t, eps, TILE_M, TILE_N, CAST)
+
+
+def _qk_bwd_tile(dy, x, wt, rstd, dx, dw_acc, t, TILE_M, TILE_N, HAS_W):
+    """dx of one row tile; returns ``dw_acc`` plus the tile's dw share (unchanged without a weight)."""
+    g, h = _qk_tile_index(t, x.shape[1])
+    r = ct.load(rstd, (g, h), (TILE_M, 1), padding_mode=_ZERO)
+    xhat = _load_head_rows(x, g, h, TILE_M, TILE_N) * r
+    dyf = _load_head_rows(dy, g, h, TILE_M, TILE_N)
+    gw = dyf * wt
+    _store_head_rows(dx, g, h, _dx(gw, xhat, _row_dot(xhat, gw) / x.shape[2], r, dx.dtype), TILE_M, TILE_N)
+    if HAS_W:
+        return dw_acc + _dw_rows(dyf, xhat)
+    return dw_acc
+
+
+@experimental_kernel
+@ct.kernel
+def qk_rms_norm_bwd(
+    dyq,
+    dyk,
+    q,
+    k,
+    wq,
+    wk,
+    rstd_q,
+    rstd_k,
+    dq,
+    dk,
+    dw_partial,
+    offset,
+    TILE_M: ct.Constant[int],
+    TILE_N: ct.Constant[int],
+    HAS_WQ: ct.Constant[bool],
+    HAS_WK: ct.Constant[bool],
+):
+    """dq and dk over the same tile walk as the forward; each block keeps its dw shares of both weights
+    in fp32 registers and writes them to ``dw_partial[bid, 0]`` (q) and ``dw_partial[bid, 1]`` (k), a
+    ``(grid, 2, D)`` buffer that ``rms_norm_dw_reduce`` sums in a fixed order (deterministic)."""
+    wtq = _effective_weight(wq, 0, offset, TILE_N, HAS_WQ, CAST_GEMMA, q.dtype)
+    wtk = _effective_weight(wk, 0, offset, TILE_N, HAS_WK, CAST_GEMMA, k.dtype)
+    acc_q = ct.zeros((1, TILE_N), dtype=_F32)
+    acc_k = ct.zeros((1, TILE_N), dtype=_F32)
+    num_q_tiles = ct.cdiv(q.shape[0], TILE_M) * q.shape[1]
+    for t in range(ct.bid(0), num_q_tiles, ct.num_blocks(0)):
+        acc_q = _qk_bwd_tile(dyq, q, wtq, rstd_q, dq, acc_q, t, TILE_M, TILE_N, HAS_WQ)
+    for t in range(_first_k_tile(num_q_tiles), ct.cdiv(k.shape[0], TILE_M) * k.shape[1], ct.num_blocks(0)):
+        acc_k = _qk_bwd_tile(dyk, k, wtk, rstd_k, dk, acc_k, t, TILE_M, TILE_N, HAS_WK)
+    if HAS_WQ:
+        ct.store(dw_partial, (ct.bid(0), 0, 0), ct.reshape(acc_q, (1, 1, TILE_N)), allow_tma=False)
+    if HAS_WK:
+        ct.store(dw_partial, (ct.bid(0), 1, 0), ct.reshape(acc_k, (1, 1, TILE_N)), allow_tma=False)

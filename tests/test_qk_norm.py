@@ -1,0 +1,298 @@
+"""qk_rms_norm on the CPU: values against float64, layouts (read in place, outputs in the inputs' dim order),
+GQA head counts, autograd, errors, torch.compile, and the cuTile host plumbing with the kernels emulated."""
+
+import pytest
+import torch
+from conftest import rel_err
+
+import tilegym_rms
+from tilegym_rms import ops, reference
+
+B, S, HQ, HK = 2, 5, 4, 2
+
+
+def _fp64_norm(x, w, eps, offset=0.0):
+    """Independent float64 math: x / sqrt(mean(x^2) + eps) * (offset + w)."""
+    x = x.double()
+    y = x / torch.sqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if w is None else y * (offset + w.double())
+
+
+def _qkv(d, dtype=torch.float64, hq=HQ, hk=HK, seed=0):
+    """The q and k slices of a fused qkv projection output, as HF models view them: (B, S, H, D), rows strided."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, S, (hq + 2 * hk) * d, generator=g).to(dtype)
+    return qkv[..., : hq * d].view(B, S, hq, d), qkv[..., hq * d : (hq + hk) * d].view(B, S, hk, d)
+
+
+def _layout(name, d, dtype=torch.float64, hq=HQ, hk=HK):
+    q, k = _qkv(d, dtype, hq, hk)
+    if name == "contiguous":  # q_proj(x).view(B, S, H, D)
+        return q.contiguous(), k.contiguous()
+    if name == "transposed":  # ... .transpose(1, 2): (B, H, S, D), not contiguous
+        return q.contiguous().transpose(1, 2), k.contiguous().transpose(1, 2)
+    if name == "qkv_slice":
+        return q, k
+    if name == "qkv_slice_transposed":
+        return q.transpose(1, 2), k.transpose(1, 2)
+    if name == "batch_gap":  # rows dense within a batch, a gap between batches
+        big_q, big_k = torch.randn(B, S * hq * d + 7).to(dtype), torch.randn(B, S * hk * d + 5).to(dtype)
+        return big_q[:, : S * hq * d].view(B, S, hq, d), big_k[:, : S * hk * d].view(B, S, hk, d)
+    if name == "needs_copy":  # a head dim read with stride 2: no view with dense rows exists
+        return torch.randn(B, S, hq, 2 * d).to(dtype)[..., ::2], torch.randn(B, S, hk, 2 * d).to(dtype)[..., ::2]
+    raise ValueError(name)
+
+
+LAYOUTS = ["contiguous", "transposed", "qkv_slice", "qkv_slice_transposed", "batch_gap", "needs_copy"]
+IN_PLACE_LAYOUTS = LAYOUTS[:-1]
+
+
+def _dense_in_stride_order(out, like):
+    """``out`` is dense and lists its dims in ``like``'s memory order (what the docstring promises)."""
+    order = sorted(range(like.dim() - 1), key=lambda i: -like.stride(i))
+    return out.permute(*order, out.dim() - 1).is_contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# Values
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_values_are_rms_norm_of_each_and_close_to_fp64(dtype, casting_mode, offset):
+    q, k = _layout("qkv_slice", 64, dtype)
+    wq, wk = torch.randn(64).to(dtype), torch.randn(64).to(dtype)
+    kw = dict(offset=offset, casting_mode=casting_mode)
+    yq, yk = tilegym_rms.qk_rms_norm(q, k, wq, wk, 1e-5, **kw)
+    assert torch.equal(yq, tilegym_rms.rms_norm(q, wq, 1e-5, **kw))
+    assert torch.equal(yk, tilegym_rms.rms_norm(k, wk, 1e-5, **kw))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(yq, _fp64_norm(q, wq, 1e-5, offset)) <= tol
+    assert rel_err(yk, _fp64_norm(k, wk, 1e-5, offset)) <= tol
+    assert yq.dtype == yk.dtype == dtype
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("hq,hk", [(4, 2), (8, 1), (3, 3)])
+def test_layouts_and_head_counts(layout, hq, hk):
+    q, k = _layout(layout, 16, hq=hq, hk=hk)
+    wq, wk = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    yq, yk = tilegym_rms.qk_rms_norm(q, k, wq, wk)
+    assert yq.shape == q.shape and yk.shape == k.shape
+    assert rel_err(yq, _fp64_norm(q, wq, 1e-6)) <= 1e-12 and rel_err(yk, _fp64_norm(k, wk, 1e-6)) <= 1e-12
+    assert _dense_in_stride_order(yq, q) and _dense_in_stride_order(yk, k)
+
+
+def test_a_transposed_input_gives_a_transposed_output_of_the_projection_layout():
+    q, k = _layout("transposed", 16)
+    yq, _ = tilegym_rms.qk_rms_norm(q, k)
+    assert not yq.is_contiguous() and yq.transpose(1, 2).is_contiguous()
+    q, k = _layout("qkv_slice", 16)
+    yq, _ = tilegym_rms.qk_rms_norm(q, k)
+    assert yq.is_contiguous()  # the slice's gaps are not kept
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_heads_view_reads_in_place_where_a_3d_view_exists(layout):
+    q, _ = _layout(layout, 16)
+    qo = ops._in_order(q, ops._stride_order(q))
+    q3 = ops._heads_view(qo, ops._heads_shape(qo))
+    assert q3.dim() == 3 and q3.stride(2) == 1 and ops._rows_apart(q3)
+    assert (q3.data_ptr() == q.data_ptr()) == (layout in IN_PLACE_LAYOUTS)
+    assert torch.equal(q3.reshape(-1, 16), qo.reshape(-1, 16))  # rows in the stride order
+
+
+def test_rows_apart_rejects_overlapping_and_gathered_rows():
+    base = torch.randn(4, 8, 16)
+    assert ops._rows_apart(base)
+    assert not ops._rows_apart(base[..., ::2])  # last dim strided
+    assert not ops._rows_apart(torch.randn(16).expand(4, 8, 16))  # a broadcast gradient: every row the same
+    assert not ops._rows_apart(torch.randn(40, 16).as_strided((4, 8, 16), (16, 16, 1)))  # rows shared
+
+
+def test_weights_none_or_one_of_them():
+    q, k = _layout("qkv_slice", 16)
+    w = torch.randn(16, dtype=torch.float64)
+    for wq, wk in ((None, None), (w, None), (None, w)):
+        yq, yk = tilegym_rms.qk_rms_norm(q, k, wq, wk)
+        assert rel_err(yq, _fp64_norm(q, wq, 1e-6)) <= 1e-12 and rel_err(yk, _fp64_norm(k, wk, 1e-6)) <= 1e-12
+
+
+@pytest.mark.parametrize("empty", ["q", "k", "head_dim"])
+def test_empty_inputs(empty):
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 1, 8)
+    if empty == "q":
+        q = q[:0]
+    elif empty == "k":
+        k = k[:, :0]
+    else:
+        q, k = q[..., :0], k[..., :0]
+    d = q.shape[-1]
+    w = (torch.randn(d, requires_grad=True), torch.randn(d, requires_grad=True))
+    q, k = q.requires_grad_(), k.requires_grad_()
+    yq, yk = tilegym_rms.qk_rms_norm(q, k, *w)
+    assert yq.shape == q.shape and yk.shape == k.shape
+    (yq.sum() + yk.square().sum()).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    assert w[0].grad.shape == (d,) and w[1].grad.shape == (d,)
+    if empty != "k":
+        assert rel_err(yk, _fp64_norm(k.detach(), w[1].detach(), 1e-6)) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# Autograd
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "qkv_slice", "needs_copy"])
+@pytest.mark.parametrize("casting_mode,offset", [("llama", 0.0), ("gemma", 1.0), ("none", 0.5)])
+def test_autograd_gradcheck_qk(layout, casting_mode, offset):
+    q, k = (t.detach().requires_grad_() for t in _layout(layout, 8))
+    wq, wk = (torch.randn(8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    fn = lambda q, k, wq, wk: tilegym_rms.qk_rms_norm(q, k, wq, wk, 1e-5, offset=offset, casting_mode=casting_mode)
+    assert torch.autograd.gradcheck(fn, (q, k, wq, wk))
+
+
+def test_autograd_gradgradcheck_qk():
+    q, k = (t.detach().requires_grad_() for t in _layout("transposed", 8))
+    wq, wk = (torch.randn(8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradgradcheck(lambda *a: tilegym_rms.qk_rms_norm(*a, 1e-5, offset=0.5), (q, k, wq, wk))
+
+
+def test_autograd_matches_rms_norm_of_each_with_one_output_unused():
+    q, k = _layout("qkv_slice_transposed", 16, torch.float32)
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    wq, wk = torch.randn(16, requires_grad=True), torch.randn(16, requires_grad=True)
+    yq, _ = tilegym_rms.qk_rms_norm(q, k, wq, wk)
+    dy = torch.randn(yq.shape)
+    grads = torch.autograd.grad(yq, (q, k, wq, wk), dy, allow_unused=True, materialize_grads=True)
+    ref = torch.autograd.grad(tilegym_rms.rms_norm(q, wq), (q, wq), dy)
+    assert torch.equal(grads[0], ref[0])
+    assert rel_err(grads[2], ref[1]) <= 1e-6  # dw sums the rows in memory order, rms_norm in logical order
+    assert not grads[1].any() and not grads[3].any()
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "k,kw,exc,match",
+    [
+        (torch.randn(2, 3, 1, 16), {}, ValueError, r"k must have the head dim of q \(last dim 8\)"),
+        (torch.randn(2, 3, 1, 8, dtype=torch.float64), {}, TypeError, "q and k must have one dtype"),
+        ([1.0], {}, TypeError, "k must be a torch.Tensor"),
+        (torch.randn(2, 3, 1, 8), {"q_weight": torch.ones(4)}, ValueError, r"weight must have shape \(8,\)"),
+        (torch.randn(2, 3, 1, 8), {"q_weight": torch.ones(8), "offset": 1.0}, ValueError, "with weight=None it"),
+        (torch.randn(2, 3, 1, 8), {"casting_mode": "fp32"}, ValueError, "casting_mode must be one of"),
+        (torch.randn(2, 3, 1, 8), {"backend": "cuda"}, ValueError, "unknown backend 'cuda'"),
+    ],
+)
+def test_errors_say_what_is_allowed(k, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        tilegym_rms.qk_rms_norm(torch.randn(2, 3, 4, 8), k, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile (the custom ops: their fake outputs must have the real outputs' strides)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "qkv_slice"])
+def test_compile_fullgraph_matches_eager(layout):
+    q, k = (t.requires_grad_() for t in _layout(layout, 32, torch.float32))
+    wq, wk = torch.randn(32, requires_grad=True), torch.randn(32, requires_grad=True)
+
+    def block(q, k, wq, wk):
+        yq, yk = tilegym_rms.qk_rms_norm(q, k, wq, wk, offset=0.25)
+        return (yq * 2).sin().sum() + yk.cos().sum()  # Inductor fuses around the op: reads it by its strides
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    leaves = (q, k, wq, wk)
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    ref = torch.autograd.grad(block(*leaves), leaves)
+    for a, b in zip(got, ref, strict=True):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_compile_fake_outputs_have_the_real_strides():
+    q, k = _layout("qkv_slice_transposed", 16, torch.float32)
+    real = ops._qk_fwd_op(q, k, None, None, 1e-6, 0.0, "llama", "torch", ops.WIRING)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fq, fk = mode.from_tensor(q), mode.from_tensor(k)
+        fake = ops._qk_fwd_op(fq, fk, None, None, 1e-6, 0.0, "llama", "torch", ops.WIRING)
+    for r, f in zip(real, fake, strict=True):
+        assert r.shape == f.shape and r.stride() == f.stride() and r.dtype == f.dtype
+
+
+# ------------------------------------------------------------------------------------------------
+# cuTile host plumbing on the CPU: the kernels replaced by torch emulations of their contract
+# ------------------------------------------------------------------------------------------------
+
+
+def _emulated_launch(calls):
+    def launch(kernel, grid, args, dev, hints=()):
+        calls.append(kernel)
+        if kernel == "qk_rms_norm_fwd":
+            q, k, wq, wk, yq, yk, rq, rk, eps, offset, _tm, _tn, cast, has_wq, has_wk = args
+            mode = reference.CASTING_MODES[cast]
+            for x, w, has, y, r in ((q, wq, has_wq, yq, rq), (k, wk, has_wk, yk, rk)):
+                out, rstd = reference.rms_norm_forward(x, w if has else None, eps, offset, mode)
+                y.copy_(out)
+                r.copy_(rstd)
+        elif kernel == "qk_rms_norm_bwd":
+            dyq, dyk, q, k, wq, wk, rq, rk, dq, dk, partial, offset, _tm, _tn, has_wq, has_wk = args
+            assert partial.shape[0] == grid[0] or not (has_wq or has_wk)
+            for slot, (dy, x, w, has, r, dx) in enumerate(((dyq, q, wq, has_wq, rq, dq), (dyk, k, wk, has_wk, rk, dk))):
+                grad, dw = reference.rms_norm_backward(x, dy, w if has else None, r, offset)
+                dx.copy_(grad)
+                if has:  # spread over the partial rows, as the blocks would
+                    partial[:, slot] = dw.float() / partial.shape[0]
+        else:
+            assert kernel == "rms_norm_dw_reduce"
+            args[1].copy_(args[0].sum(0))
+
+    return launch
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("weights", ["both", "q_only", "mixed_dtypes"])
+def test_cutile_host_passes_consistent_views(monkeypatch, layout, weights):
+    """Views handed to the qk kernels (transposed where H > G), the rstd between them and the dw slots:
+    with each kernel replaced by torch math on the views it receives, the result is rms_norm of each."""
+    pytest.importorskip("cuda.tile")
+    import types
+
+    from tilegym_rms import cutile
+    from tilegym_rms.cutile import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "num_sms", lambda index: 4)
+    monkeypatch.setattr(cutile, "_launch", lambda: _emulated_launch(calls))
+    names = ("qk_rms_norm_fwd", "qk_rms_norm_bwd", "rms_norm_dw_reduce")
+    monkeypatch.setattr(cutile, "_kernels", lambda: types.SimpleNamespace(**{n: n for n in names}))
+    q, k = _layout(layout, 16, torch.float32)
+    wq = torch.randn(16)
+    wk = {"both": torch.randn(16), "q_only": None, "mixed_dtypes": torch.randn(16, dtype=torch.float64)}[weights]
+    try:
+        yq, yk, rq, rk = ops._qk_forward(q, k, wq, wk, 1e-6, 0.0, "llama", "cutile")
+        dyq, dyk = torch.randn(q.shape).transpose(0, 1).contiguous().transpose(0, 1), torch.randn(k.shape)
+        dq, dk, dwq, dwk = ops._qk_backward(q, k, dyq, dyk, wq, wk, rq, rk, 0.0, "llama", "cutile")
+    finally:
+        cutile.clear_caches()
+    reductions = {"both": 1, "q_only": 1, "mixed_dtypes": 2}[weights]
+    assert calls == ["qk_rms_norm_fwd", "qk_rms_norm_bwd"] + ["rms_norm_dw_reduce"] * reductions
+    for x, w, y, dy, dx, dw in ((q, wq, yq, dyq, dq, dwq), (k, wk, yk, dyk, dk, dwk)):
+        ref_y, ref_rstd = reference.rms_norm_forward(x, w, 1e-6)
+        ref_dx, ref_dw = reference.rms_norm_backward(x, dy, w, ref_rstd)
+        assert torch.equal(y, ref_y) and _dense_in_stride_order(y, x)
+        assert rel_err(dx, ref_dx) <= 1e-6 and _dense_in_stride_order(dx, x)
+        assert (dw is None) == (w is None)
+        if w is not None:
+            assert dw.dtype == w.dtype and rel_err(dw, ref_dw) <= 1e-5

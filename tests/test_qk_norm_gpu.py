@@ -1,0 +1,142 @@
+"""qk_rms_norm's cuTile kernels on a CUDA GPU against float64 (marker `gpu`; skipped without CUDA).
+
+Structured like test_cutile_gpu.py, whose tolerances and fixture it reuses. Variants compiled: one per
+(head dim, dtype, rows bucket) and kernel direction, so the grid stays at two row counts.
+"""
+
+import pytest
+import torch
+from conftest import chunked_errors
+from test_cutile_gpu import DW_TOL, Y_TOL, _quiet_experimental_and_release_memory  # noqa: F401  (autouse)
+
+import tilegym_rms
+from tilegym_rms import reference
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = [64, 96, 128, 256]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LAYOUTS = ["contiguous", "transposed", "qkv_slice"]
+HQ, HK = 16, 4  # GQA
+
+
+def _layout(name, b, s, d, dtype, hq=HQ, hk=HK, seed=0):
+    """q and k as HF attention makes them: projection outputs viewed (B, S, H, D), or transposed to
+    (B, H, S, D), or the q / k slices of one fused qkv projection (strided rows)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(b, s, (hq + 2 * hk) * d, generator=g, device="cuda").to(dtype)
+    q, k = qkv[..., : hq * d].view(b, s, hq, d), qkv[..., hq * d : (hq + hk) * d].view(b, s, hk, d)
+    if name == "qkv_slice":
+        return q, k
+    q, k = q.contiguous(), k.contiguous()
+    return (q, k) if name == "contiguous" else (q.transpose(1, 2), k.transpose(1, 2))
+
+
+def _check(q, k, *, weight=True, offset=0.0, casting_mode="llama", eps=1e-6, compiled=False):
+    d, dtype = q.shape[-1], q.dtype
+    torch.manual_seed(d)
+    wq, wk = (torch.randn(d, dtype=dtype, device="cuda") if weight else None for _ in range(2))
+    leaves = [t.detach().requires_grad_() for t in (q, k)] + [w.requires_grad_() for w in (wq, wk) if w is not None]
+    dyq, dyk = torch.randn(q.shape, dtype=dtype, device="cuda"), torch.randn(k.shape, dtype=dtype, device="cuda")
+    kw = dict(offset=offset, casting_mode=casting_mode, backend="cutile")
+
+    def fn(q, k, *w):
+        return tilegym_rms.qk_rms_norm(q, k, *(w or (None, None)), eps, **kw)
+
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True)
+    yq, yk = fn(*leaves)
+    grads = torch.autograd.grad((yq, yk), leaves, (dyq, dyk))
+    dq, dk, dws = grads[0], grads[1], (grads[2:] if weight else (None, None))
+    for x, w, dy, y, dx, dw in ((q, wq, dyq, yq, dq, dws[0]), (k, wk, dyk, yk, dk, dws[1])):
+        outputs = {"y": y, "dx": dx} | ({"dw": dw} if weight else {})
+        err = chunked_errors(x, w, dy, outputs, eps=eps, offset=offset, casting_mode=casting_mode)
+        assert y.shape == x.shape and dx.shape == x.shape and y.dtype == dtype, err
+        assert err["y"] <= Y_TOL[dtype] and err["dx"] <= Y_TOL[dtype], err
+        if weight:
+            assert dw.dtype == w.dtype and err["dw"] <= DW_TOL, err
+    return yq, yk, wq, wk
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("b,s", [(1, 7), (4, 2048)])  # few rows (small tiles), and 163840 rows of q and k
+def test_qk_forward_backward(b, s, d, dtype, layout):
+    q, k = _layout(layout, b, s, d, dtype)
+    yq, yk, wq, wk = _check(q, k)
+    # The values rms_norm gives each tensor, up to the order of a row's fp32 sum (the plain kernels hold
+    # rows in other tile shapes): a rounding of rstd can move an output by an ulp or two.
+    eps = torch.finfo(dtype).eps
+    for x, w, y in ((q, wq, yq), (k, wk, yk)):
+        torch.testing.assert_close(y, tilegym_rms.rms_norm(x, w, backend="cutile"), rtol=4 * eps, atol=4 * eps)
+        assert y.is_contiguous() == (layout != "transposed")  # dense in the input's dim order
+
+
+@pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
+@pytest.mark.parametrize("weight,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qk_casting_weight_offset(dtype, casting_mode, weight, offset):
+    q, k = _layout("qkv_slice", 2, 300, 128, dtype)
+    _check(q, k, weight=weight, offset=offset, casting_mode=casting_mode)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_qk_under_torch_compile(d, dtype, layout):
+    q, k = _layout(layout, 2, 1000, d, dtype)
+    _check(q, k, compiled=True)
+
+
+def test_qk_rows_with_gaps_between_batches_only():
+    """A (G, H, D) view with H > G: the host hands the kernels the transposed view (see cutile)."""
+    big = torch.randn(3, 2048 * 8 * 128 + 64, dtype=torch.bfloat16, device="cuda")
+    q = big[:, : 2048 * 8 * 128].view(3, 2048, 8, 128)
+    k = torch.randn(3, 2048, 2, 128, dtype=torch.bfloat16, device="cuda")
+    _check(q, k)
+
+
+def test_qk_one_weight_and_mixed_weight_dtypes():
+    q, k = _layout("contiguous", 2, 512, 128, torch.bfloat16)
+    w32, w16 = torch.randn(128, device="cuda"), torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    for wq, wk in ((w32, w16), (w16, None), (None, w16)):
+        leaves = [t.detach().requires_grad_() for t in (q, k)]
+        ws = [w.detach().requires_grad_() if w is not None else None for w in (wq, wk)]
+        yq, yk = tilegym_rms.qk_rms_norm(*leaves, *ws, backend="cutile")
+        (yq.float().square().sum() + yk.float().sum()).backward()
+        for x, w, y, dy in ((q, wq, yq, 2 * yq.float()), (k, wk, yk, torch.ones_like(yk))):
+            w64 = w.double() if w is not None else None
+            ref, rstd = reference.rms_norm_forward(x.double(), w64, 1e-6)
+            assert (y.double() - ref).norm() / ref.norm() <= Y_TOL[torch.bfloat16]
+            if w is not None:
+                dw = ws[0 if x is q else 1].grad
+                ref_dw = reference.rms_norm_backward(x.double(), dy.double(), w64, rstd)[1]
+                assert dw.dtype == w.dtype and (dw.double() - ref_dw).norm() / ref_dw.norm() <= DW_TOL
+
+
+def test_qk_dw_is_deterministic():
+    q, k = _layout("qkv_slice", 4, 4096, 128, torch.bfloat16)
+    w = [torch.randn(128, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2)]
+    dy = (
+        torch.randn(q.shape, dtype=torch.bfloat16, device="cuda"),
+        torch.randn(k.shape, dtype=torch.bfloat16, device="cuda"),
+    )
+    runs = [torch.autograd.grad(tilegym_rms.qk_rms_norm(q, k, *w, backend="cutile"), w, dy) for _ in range(3)]
+    assert all(torch.equal(r[0], runs[0][0]) and torch.equal(r[1], runs[0][1]) for r in runs)
+
+
+def test_qk_is_one_launch_each_way(monkeypatch):
+    """Forward: one kernel for q and k; backward: one kernel and one dw reduction for both weights."""
+    from tilegym_rms import cutile
+
+    launched = []
+    real = cutile._launch()
+    monkeypatch.setattr(cutile, "_launch", lambda: lambda kernel, *a: launched.append(kernel) or real(kernel, *a))
+    q, k = (t.requires_grad_() for t in _layout("contiguous", 2, 1024, 128, torch.bfloat16))
+    w = [torch.randn(128, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2)]
+    yq, yk = tilegym_rms.qk_rms_norm(q, k, *w, backend="cutile")
+    (yq.float().sum() + yk.float().sum()).backward()
+    kernels = cutile._kernels()
+    assert launched == [kernels.qk_rms_norm_fwd, kernels.qk_rms_norm_bwd, kernels.rms_norm_dw_reduce]
