@@ -80,7 +80,9 @@ def _forward(x, weight, eps, offset, casting_mode, backend, kernel=None, store_r
     return y.view(x.shape), (rstd.view(x.shape[:-1]) if rstd is not None else None)
 
 
-def _backward(x, dy, weight, rstd, offset, casting_mode, backend):
+def _backward(x, dy, weight, rstd, offset, casting_mode, backend, dres=None):
+    """``(dx, dw)``; with ``dres`` (the gradient of a fused add's residual_out, like ``x``) ``dx + dres``
+    from the backend's one-pass :meth:`~tilegym_rms.dispatch.FusedAddBackwardBackend.fused_add_backward`."""
     module = _backend(x, backend)
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format), (
@@ -88,7 +90,11 @@ def _backward(x, dy, weight, rstd, offset, casting_mode, backend):
         )
     n = x.shape[-1]
     rows = rstd if rstd.dim() == 1 else rstd.reshape(-1)
-    dx, dw = module.backward(_rows(x, n), _rows(dy, n), _dense_weight(weight), rows, offset, casting_mode)
+    x2, dy2, w = _rows(x, n), _rows(dy, n), _dense_weight(weight)
+    if dres is None:
+        dx, dw = module.backward(x2, dy2, w, rows, offset, casting_mode)
+    else:
+        dx, dw = module.fused_add_backward(x2, dy2, _rows(dres, n), w, rows, offset, casting_mode)
     return (dx if x.dim() == 2 else dx.view(x.shape)), dw
 
 
@@ -178,7 +184,7 @@ def _rms_norm_bwd_op(
 
 
 @_rms_norm_bwd_op.register_fake
-def _(x, dy, weight, rstd, offset, casting_mode, backend):
+def _rms_norm_bwd_fake(x, dy, weight, rstd, offset, casting_mode, backend):
     dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw
 
@@ -276,17 +282,22 @@ def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, backend: str, d
 # ----------------------------------------------------------------------------------------------
 
 
-def _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend):
+def _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend, store_rstd=True, in_place=False):
+    """``(y, residual_out or None, rstd)``; ``in_place`` (mode "pre"): the sum is written into ``residual``
+    where the backend can (the returned residual_out then shares its memory), else the caller copies it."""
     module = _backend(x, backend)
     _checks.check_dtype_for_backend(residual, backend, module.SUPPORTED_DTYPES)
     fused = getattr(module, "fused_add_forward", None)
-    if fused is not None and residual.dtype == x.dtype and x.numel() > 0:
+    if fused is not None and x.numel() > 0 and (residual.dtype == x.dtype or module.FUSED_ADD_MIXED_DTYPES):
         n, w = x.shape[-1], _dense_weight(weight)
-        y, res_out, rstd = fused(_rows(x, n), _rows(residual, n), w, eps, offset, casting_mode, mode=mode)
-        return y.view(x.shape), (res_out.view(x.shape) if mode == "pre" else None), rstd.view(x.shape[:-1])
+        r2 = _rows(residual, n)  # a view of residual unless its rows could not be viewed densely
+        kw = {"residual_out": r2} if in_place else {}
+        y, res_out, rstd = fused(_rows(x, n), r2, w, eps, offset, casting_mode, mode=mode, store_rstd=store_rstd, **kw)
+        rstd = rstd.view(x.shape[:-1]) if rstd is not None else None
+        return y.view(x.shape), (res_out.view(x.shape) if mode == "pre" else None), rstd
     # No fused kernel for this backend or dtype pair: the add in torch, the norm in the backend.
     s = reference.fused_add_sum(x, residual)
-    y, rstd = _forward(s, weight, eps, offset, casting_mode, backend)
+    y, rstd = _forward(s, weight, eps, offset, casting_mode, backend, store_rstd=store_rstd)
     return y.to(x.dtype), (s if mode == "pre" else None), rstd
 
 
@@ -295,19 +306,34 @@ def _fused_add_saved(x, residual, res_out, mode):
     return (res_out, None) if mode == "pre" else (x, residual)
 
 
-def _fused_add_backward(norm_backward, a, b, weight, rstd, mode, offset, casting_mode, backend, dy, dres):
+def _fused_add_backward(norm_backward, a, b, weight, rstd, mode, offset, casting_mode, backend, dy, dres,
+                        fused_backward=None):  # fmt: skip
     """Gradients ``(ds, dw)`` of the fused add (``ds`` in the sum's dtype, the gradient of ``x`` and
     of ``residual`` up to a cast); ``norm_backward`` is the RMSNorm backward to use (eager function
-    or custom op), ``dres`` the gradient of a written ``residual_out``."""
+    or custom op), ``dres`` the gradient of a written ``residual_out``. ``fused_backward`` (same
+    arguments plus ``dres`` after ``dy``), where the backend has one, adds ``dres`` of mode "pre" in the
+    norm's own pass instead of a torch add over ``ds``."""
     s = a if mode == "pre" else reference.fused_add_sum(a, b)
     if dy is None:  # only residual_out was used
         dy = torch.zeros_like(s)
     if mode == "post" and dres is not None:
         dy = dy + dres  # residual_out is y: its gradient flows into the norm too
-    ds, dw = norm_backward(s, dy.to(s.dtype), weight, rstd, offset, casting_mode, backend)
+    dy = dy.to(s.dtype)
+    if mode == "pre" and dres is not None and fused_backward is not None:
+        return fused_backward(s, dy, dres.to(s.dtype), weight, rstd, offset, casting_mode, backend)
+    ds, dw = norm_backward(s, dy, weight, rstd, offset, casting_mode, backend)
     if mode == "pre" and dres is not None:
         ds = ds + dres
     return ds, dw
+
+
+def _has_fused_backward(backend: str) -> bool:
+    return hasattr(backend_module(backend), "fused_add_backward")
+
+
+def _fused_norm_backward(s, dy, dres, weight, rstd, offset, casting_mode, backend):
+    """A ``fused_backward`` for :func:`_fused_add_backward` in eager mode."""
+    return _backward(s, dy, weight, rstd, offset, casting_mode, backend, dres)
 
 
 def _differentiable_norm_backward(eps):
@@ -334,8 +360,13 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dres):
-        norm_backward = _differentiable_norm_backward(ctx.eps) if torch.is_grad_enabled() else _backward
-        ds, dw = _fused_add_backward(norm_backward, *ctx.saved_tensors, *ctx.config, dy, dres)
+        if torch.is_grad_enabled():  # double backward: differentiable torch math throughout
+            norm_backward, fused = _differentiable_norm_backward(ctx.eps), None
+        else:
+            norm_backward = _backward
+            fused = _fused_norm_backward if _has_fused_backward(ctx.config[-1]) else None
+        ds, dw = _fused_add_backward(norm_backward, *ctx.saved_tensors, *ctx.config, dy, dres, fused)
+        # The same tensor for both inputs where dtypes match (autograd accumulates each separately).
         return ds.to(ctx.x_dtype), ds, dw, None, None, None, None, None
 
 
@@ -375,11 +406,37 @@ def _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, backend)
     return dx, (dw if weight is not None else None)
 
 
+@torch.library.custom_op("tilegym_rms::fused_add_rms_norm_bwd", mutates_args=())
+def _fused_add_bwd_op(
+    s: torch.Tensor,
+    dy: torch.Tensor,
+    dres: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    offset: float,
+    casting_mode: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ds, dw = _backward(s, dy, weight, rstd, offset, casting_mode, backend, dres)
+    return ds, dw if dw is not None else s.new_empty((0,))  # as in rms_norm_bwd
+
+
+@_fused_add_bwd_op.register_fake
+def _(s, dy, dres, weight, rstd, offset, casting_mode, backend):
+    return _rms_norm_bwd_fake(s, dy, weight, rstd, offset, casting_mode, backend)
+
+
+def _fused_bwd_op_with_optional_dw(s, dy, dres, weight, rstd, offset, casting_mode, backend):
+    ds, dw = _fused_add_bwd_op(s, dy, dres, weight, rstd, offset, casting_mode, backend)
+    return ds, (dw if weight is not None else None)
+
+
 def _fused_op_backward(ctx, dy, dres, _drstd):
     a, b, weight, rstd = ctx.saved_tensors
-    mode = ctx.config[0]
+    mode, backend = ctx.config[0], ctx.config[-1]
+    fused = _fused_bwd_op_with_optional_dw if _has_fused_backward(backend) else None
     ds, dw = _fused_add_backward(
-        _bwd_op_with_optional_dw, a, b, weight, rstd, *ctx.config, dy, dres if mode == "pre" else None
+        _bwd_op_with_optional_dw, a, b, weight, rstd, *ctx.config, dy, dres if mode == "pre" else None, fused
     )
     return ds.to(ctx.x_dtype), ds, dw, None, None, None, None, None, None
 
@@ -412,5 +469,6 @@ def fused_add_rms_norm(
     needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
     if torch.is_grad_enabled() and needs_grad:
         return FusedAddRMSNormFunction.apply(x, residual, weight, eps, mode, offset, casting_mode, name)
-    y, res_out, _ = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, name)
+    y, res_out, _ = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, name, store_rstd=False)
     return y, (res_out if mode == "pre" else y)
+
