@@ -472,3 +472,53 @@ def fused_add_rms_norm(
     y, res_out, _ = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, name, store_rstd=False)
     return y, (res_out if mode == "pre" else y)
 
+
+def _fused_add_in_place(x, residual, weight, eps, offset, casting_mode, backend):
+    y, s, _ = _fused_add_forward(x, residual, weight, eps, "pre", offset, casting_mode, backend, False, True)
+    if s.data_ptr() != residual.data_ptr():  # the torch add, or residual rows that were copied to be read
+        residual.copy_(s)
+    return y
+
+
+@torch.library.custom_op("tilegym_rms::fused_add_rms_norm_inplace", mutates_args=("residual",))
+def _fused_add_in_place_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    offset: float,
+    casting_mode: str,
+    backend: str,
+) -> torch.Tensor:
+    return _fused_add_in_place(x, residual, weight, eps, offset, casting_mode, backend)
+
+
+@_fused_add_in_place_op.register_fake
+def _(x, residual, weight, eps, offset, casting_mode, backend):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def fused_add_rms_norm_(x, residual, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None):
+    """In-place residual add fused with RMSNorm, for inference: ``residual`` becomes ``x + residual``
+    (:func:`fused_add_rms_norm`'s ``residual_out`` of mode "pre", in ``residual``'s dtype); returns
+    ``y = rms_norm(x + residual)`` (a new tensor in ``x``'s dtype). ``x`` is left unchanged: unlike vLLM's
+    ``fused_add_rms_norm(input, residual, ...)``, which also writes the output over ``input``.
+
+    No autograd: raises RuntimeError when grad mode is on and an input requires grad (use
+    :func:`fused_add_rms_norm`). On the cutile backend the kernel writes the sum over ``residual`` in
+    the same pass; other backends copy it there. Arguments as :func:`fused_add_rms_norm`.
+    """
+    eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
+    _checks.check_like("residual", residual, x)
+    tensors = (x, residual) if weight is None else (x, residual, weight)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "fused_add_rms_norm_ is inference-only (it overwrites residual, which autograd may need): call it "
+            "under torch.no_grad() or torch.inference_mode(), or use fused_add_rms_norm for training"
+        )
+    if any(type(t) is not torch.Tensor and _dtensor.is_dtensor(t) for t in tensors):
+        raise TypeError("fused_add_rms_norm_ does not take DTensors; use fused_add_rms_norm")
+    name = resolve_backend(x.device, backend)
+    if torch.compiler.is_compiling():
+        return _fused_add_in_place_op(x, residual, weight, eps, offset, casting_mode, name)
+    return _fused_add_in_place(x, residual, weight, eps, offset, casting_mode, name)
