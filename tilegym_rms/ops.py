@@ -355,6 +355,8 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         ctx.save_for_backward(*_fused_add_saved(x, residual, res_out, mode), weight, rstd)
         ctx.config = (mode, offset, casting_mode, backend)
         ctx.eps, ctx.x_dtype = eps, x.dtype
+        # An unused output's gradient arrives as None rather than zeros: no zeros to read and add.
+        ctx.set_materialize_grads(False)
         # "post": residual_out is y; a second output slot lets autograd hand its gradient to backward.
         return y, (res_out if mode == "pre" else y.detach())
 
@@ -399,6 +401,7 @@ def _fused_op_setup_context(ctx, inputs, output):
     ctx.save_for_backward(*_fused_add_saved(x, residual, output[1], mode), weight, output[2])
     ctx.config = (mode, offset, casting_mode, backend)
     ctx.x_dtype = x.dtype
+    ctx.set_materialize_grads(False)  # as in FusedAddRMSNormFunction
 
 
 def _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, backend):
