@@ -51,7 +51,7 @@ def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     stream_obj = torch.cuda.current_stream(device)
     # The launch the host module makes for this input (training forward: llama casting, rstd stored).
-    plan = cutile._forward_launch(device.index, m, n, dtype, None, "llama", True, True)
+    plan = cutile._forward_launch(device.index, m, n, dtype, None, "llama", True, True, cutile._ADD_NONE)
     kernel, grid = with_hints(plan.kernel, plan.hints), plan.grid
     args = (x, w, y, rstd, 1e-6, 0.0) + plan.constants
     detached_grad_args = (xg.detach(),) + args[1:]

@@ -405,56 +405,10 @@ def output_errors(op: str, sets: InputSets, eps: float, outputs: dict) -> dict[s
     if op in ("fused_add_fwd", "fused_add_bwd"):
         dy = sets.dy[0] if sets.dy else None
         dres = sets.dres[0] if sets.dres else None
-        return fused_add_errors(sets.x[0], sets.r[0], sets.w[0], eps, outputs, dy, dres)
+        from tilegym_rms.testing import fused_add_errors
+
+        return fused_add_errors(sets.x[0], sets.r[0], sets.w[0], eps, outputs, dy, dres, chunk_elems=1 << 25)
     return relative_errors(sets.x[0], sets.w[0], eps, outputs, sets.dy[0] if sets.dy else None)
-
-
-def fused_add_errors(
-    x: torch.Tensor,
-    r: torch.Tensor,
-    w: torch.Tensor,
-    eps: float,
-    outputs: dict,
-    dy: torch.Tensor | None = None,
-    dres: torch.Tensor | None = None,
-    chunk_elems: int = 1 << 25,
-) -> dict[str, float]:
-    """Relative errors (||got - ref|| / ||ref||) of the fused add + RMSNorm outputs present in ``outputs`` (``y``,
-    ``res``; ``dx``, ``dr``, ``dw``) against ``tilegym_rms.reference.fused_add_rms_norm_forward`` (mode "pre") in
-    float64 and its float64 autograd gradients for (dy, dres), in row chunks to bound memory."""
-    from tilegym_rms import reference
-
-    n = x.shape[-1]
-    x2, r2 = x.reshape(-1, n), r.reshape(-1, n)
-    rows_outs = {k: v.reshape(-1, n) for k, v in outputs.items() if k in ("y", "res", "dx", "dr")}
-    need_grad = any(k in outputs for k in ("dx", "dr", "dw"))
-    w64 = w.detach().double().requires_grad_(need_grad)
-    sq = {k: [0.0, 0.0] for k in rows_outs}
-    dw_ref = torch.zeros(n, dtype=torch.float64, device=x.device)
-    step = max(1, chunk_elems // max(n, 1))
-    for start in range(0, x2.shape[0], step):
-        rows = slice(start, start + step)
-        with torch.enable_grad():
-            xc = x2[rows].detach().double().requires_grad_(need_grad)
-            rc = r2[rows].detach().double().requires_grad_(need_grad)
-            y_ref, res_ref, _ = reference.fused_add_rms_norm_forward(xc, rc, w64, eps, mode="pre")
-            refs = {"y": y_ref.detach(), "res": res_ref.detach()}
-            if need_grad:
-                grads = (dy.reshape(-1, n)[rows].double(), dres.reshape(-1, n)[rows].double())
-                dx_ref, dr_ref, dw_part = torch.autograd.grad((y_ref, res_ref), (xc, rc, w64), grads)
-                refs["dx"], refs["dr"] = dx_ref, dr_ref
-                dw_ref += dw_part
-        for k, out in rows_outs.items():
-            got = out[rows].detach().double()
-            sq[k][0] += (got - refs[k]).square().sum().item()
-            sq[k][1] += refs[k].square().sum().item()
-    errs = {k: ((e / d) ** 0.5 if d > 0 else e**0.5) for k, (e, d) in sq.items()}
-    if outputs.get("dw") is not None:
-        got = outputs["dw"].detach().double().reshape(-1)
-        denom = dw_ref.square().sum().item()
-        diff = (got - dw_ref).square().sum().item()
-        errs["dw"] = (diff / denom) ** 0.5 if denom > 0 else diff**0.5
-    return errs
 
 
 def check_ok(errs: dict[str, float], dtype_name: str) -> bool:

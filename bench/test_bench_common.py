@@ -21,6 +21,8 @@ import session  # noqa: E402
 import timing  # noqa: E402
 import traffic  # noqa: E402
 
+from tilegym_rms import testing  # noqa: E402
+
 
 def test_bytes():
     m, n = 4096, 1024
@@ -204,9 +206,9 @@ def test_fused_add_bytes_and_check():
     x, r, dy, dres = (torch.randn(50, 64, generator=g).to(torch.bfloat16) for _ in range(4))
     w = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
     y, s = providers.eager_fused_add_rms_norm(1e-6)(x, r, w)
-    errs = providers.fused_add_errors(x, r, w, 1e-6, {"y": y, "res": s}, chunk_elems=64 * 16)
+    errs = testing.fused_add_errors(x, r, w, 1e-6, {"y": y, "res": s}, chunk_elems=64 * 16)
     assert providers.check_ok(errs, "bf16"), errs
-    assert not providers.check_ok(providers.fused_add_errors(x, r, w, 1e-6, {"res": s * 1.05}), "bf16")
+    assert not providers.check_ok(testing.fused_add_errors(x, r, w, 1e-6, {"res": s * 1.05}), "bf16")
 
 
 def test_fused_add_measure_cpu_mode(tmp_path, monkeypatch, capsys):

@@ -210,14 +210,18 @@ def test_cutile_host_hands_kernels_detached_tensors(monkeypatch):
     monkeypatch.setattr(tuning, "device_key", lambda index: "sm90_132sm")  # its table, without a GPU to ask
     monkeypatch.setattr(cutile, "_launch", lambda: lambda kernel, grid, args, dev, hints=(): seen.append(args))
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    grad_leaf = lambda: torch.randn(4, 8, requires_grad=True)  # noqa: E731
     try:
         y, rstd = cutile.forward(x, w, 1e-6, 0.0, "llama")
-        cutile.backward(x, torch.randn(4, 8, requires_grad=True), w, rstd, 0.0, "llama")
+        cutile.backward(x, grad_leaf(), w, rstd, 0.0, "llama")
+        cutile.fused_add_forward(x, grad_leaf(), w, 1e-6, 0.0, "llama", mode="pre")
+        cutile.fused_add_backward(x, grad_leaf(), grad_leaf(), w, rstd, 0.0, "llama")
     finally:
         cutile.clear_caches()
     tensors = [a for args in seen for a in args if isinstance(a, torch.Tensor)]
-    # forward (x, w, y, rstd) and, at 4 rows, the one-launch backward (dy, x, w, rstd, dx, dw)
-    assert len(seen) == 2 and len(tensors) == 10 and not any(t.requires_grad for t in tensors)
+    # forward (x, w, y, rstd, residual, res_out) and, at 4 rows, the one-launch backward (dy, x, w, rstd, dx,
+    # dw, dres); without the add, x and y stand in for residual and res_out, dx for dres
+    assert len(seen) == 4 and len(tensors) == 26 and not any(t.requires_grad for t in tensors)
 
 
 def test_module_rejects_offset_without_weight():
@@ -239,7 +243,13 @@ def test_backend_modules_satisfy_the_contract(name):
     def params(fn):
         return [p for p in inspect.signature(fn).parameters if p != "self"]
 
-    for proto in (dispatch.Backend, dispatch.FusedAddBackend, dispatch.QKNormBackend, dispatch.WorkspaceBackend):
+    for proto in (
+        dispatch.Backend,
+        dispatch.FusedAddBackend,
+        dispatch.FusedAddBackwardBackend,
+        dispatch.QKNormBackend,
+        dispatch.WorkspaceBackend,
+    ):
         members = [m for m in vars(proto) if not m.startswith("_") and callable(getattr(proto, m))]
         if proto is not dispatch.Backend and not isinstance(module, proto):
             continue
@@ -261,3 +271,15 @@ def test_qk_norm_protocol_is_optional_and_cutile_has_it():
     assert {
         name for name in tilegym_rms.BACKENDS if isinstance(dispatch.backend_module(name), dispatch.QKNormBackend)
     } == {"cutile"}
+
+
+def test_fused_add_capabilities_of_each_backend():
+    """The optional fused-add protocols each backend satisfies: the contract test above skips a protocol a
+    module lacks, so a lost capability would otherwise pass unnoticed (ops then falls back to torch adds)."""
+    expected = {"cutile": (True, True), "triton": (True, False), "torch": (True, True)}
+    for name, (fwd, bwd) in expected.items():
+        module = dispatch.backend_module(name)
+        assert isinstance(module, dispatch.FusedAddBackend) == fwd, name
+        assert isinstance(module, dispatch.FusedAddBackwardBackend) == bwd, name
+    assert dispatch.backend_module("cutile").FUSED_ADD_MIXED_DTYPES
+    assert not dispatch.backend_module("triton").FUSED_ADD_MIXED_DTYPES

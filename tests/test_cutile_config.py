@@ -35,7 +35,7 @@ def fwd(host, m, n, dtype=BF16, kernel=None) -> config.ForwardConfig:
 
 def fwd_kernel(host, m, n, dtype=BF16) -> str:
     """ "gather" or "persistent": the forward kernel the product launches for an (m, n) input."""
-    kernel = host._forward_launch(0, m, n, dtype, None, "llama", True, True).kernel
+    kernel = host._forward_launch(0, m, n, dtype, None, "llama", True, True, host._ADD_NONE).kernel
     kernels = host._kernels()
     return {kernels.rms_norm_fwd_gather: "gather", kernels.rms_norm_fwd_persistent: "persistent"}[kernel]
 
@@ -135,7 +135,7 @@ def test_every_m_of_a_bucket_launches_one_compiled_variant(host, bucket, n):
     same compiled variant (kernel, constants, hints), so a new batch size compiles nothing; only the grid
     follows M, and a persistent grid never has more blocks than M has row tiles."""
     ms = sorted({bucket // 2 + 1, bucket // 2 + 7, 3 * bucket // 4, bucket - 1, bucket})
-    plans = {m: host._forward_launch(0, m, n, BF16, None, "llama", True, True) for m in ms}
+    plans = {m: host._forward_launch(0, m, n, BF16, None, "llama", True, True, host._ADD_NONE) for m in ms}
     assert len({(p.kernel, p.constants, p.hints) for p in plans.values()}) == 1
     for m, p in plans.items():
         cfg = fwd(host, m, n)

@@ -24,9 +24,21 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
     return reference.rms_norm_backward(x, dy, weight, rstd, offset, casting_mode)
 
 
-def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, store_rstd=True):
-    del store_rstd
-    return reference.fused_add_rms_norm_forward(x, residual, weight, eps, mode, offset, casting_mode)
+FUSED_ADD_MIXED_DTYPES = True  # the reference's rule (fused_add_sum)
+
+
+def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, store_rstd=True, residual_out=None,
+                      kernel=None):  # fmt: skip
+    del store_rstd, kernel  # as in forward
+    y, s, rstd = reference.fused_add_rms_norm_forward(x, residual, weight, eps, mode, offset, casting_mode)
+    if mode == "pre" and residual_out is not None:
+        s = residual_out.copy_(s)
+    return y, s, rstd
+
+
+def fused_add_backward(s, dy, dres, weight, rstd, offset, casting_mode):
+    ds, dw = reference.rms_norm_backward(s, dy, weight, rstd, offset, casting_mode)
+    return ds + dres, dw
 
 
 def backward_workspace_bytes(m, n, dtype, device):

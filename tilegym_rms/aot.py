@@ -55,6 +55,40 @@ _S = ("scalar",)
 _F32 = torch.float32
 
 
+def _forward_variant(f, x2, w1, rstd, residual, res_out, cast, has_w, store, add) -> tuple[str, tuple]:
+    """``(kernel name, params)`` of one forward launch (:func:`tilegym_rms.cutile._forward_launch`)."""
+    if f.kernel == "persistent":
+        return "rms_norm_fwd_persistent", (x2, w1, x2, rstd, residual, res_out, _S, _S, f.tile_m, f.tile_n,
+                                           f.tail_n, cast, has_w, add)  # fmt: skip
+    consts = (f.tile_n, cast, has_w, f.single_tile, store, add)
+    return "rms_norm_fwd_gather", (x2, w1, x2, rstd, residual, res_out, _S, _S, *consts)
+
+
+def _backward_variants(b, dtype, has_w, has_dres, add) -> None:
+    """The backward launches of config ``b`` (one dtype: x, dy, dx and dres alike), through ``add``."""
+    x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
+    if b.plan == "direct":
+        args = (x2, x2, w1, r1, x2, w1, x2, _S, b.tile_m, b.tile_n, b.strip_n, b.strip_m, has_w, has_dres)
+        add("rms_norm_bwd_direct", *args, hints=b.hints)
+        return  # no partial buffer, no reduction
+    if b.plan == "persistent":
+        args = (x2, x2, w1, r1, x2, _arr(_F32, 2), x2, _S, b.tile_m, b.tile_n, b.tail_n, has_w, has_dres)
+        add("rms_norm_bwd_persistent", *args, hints=b.hints)
+    else:
+        add("rms_norm_bwd_row_dot", x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w, hints=b.hints)
+        args = (x2, x2, w1, r1, r1, x2, _arr(_F32, 2), x2, _S, b.tile_m, b.tile_n, has_w, has_dres)
+        add("rms_norm_bwd_column_chunk", *args, hints=b.hints)
+
+
+def _collector():
+    found: dict[Variant, None] = {}
+
+    def add(name, *params, hints=()):
+        found.setdefault(Variant(name, params, hints), None)
+
+    return found, add
+
+
 def variants_for(
     m: int,
     n: int,
@@ -66,11 +100,7 @@ def variants_for(
     """The kernel variants the dispatcher launches for an ``(m, n)`` input of ``dtype`` (forward in each of
     ``kernels``, backward and the dw reduction): with ``every_path``, every casting mode, the no-weight and
     the no-rstd variants on bf16; otherwise only a training call's (llama casting, weight, rstd stored)."""
-    found: dict[Variant, None] = {}
-
-    def add(name, *params, hints=()):
-        found.setdefault(Variant(name, params, hints), None)
-
+    found, add = _collector()
     for kernel in kernels:
         try:
             f = config.forward_config(m, n, dtype, num_sms, kernel)
@@ -81,32 +111,53 @@ def variants_for(
             if (dtype != torch.bfloat16 or not every_path) and (cast, has_w) != (0, True):
                 continue  # the cast / no-weight axes are covered once, on bf16
             x2, w1 = _arr(dtype, 2), _arr(dtype, 1)
-            if f.kernel == "persistent":
-                args = (x2, w1, x2, _arr(_F32, 1), _S, _S, f.tile_m, f.tile_n, f.tail_n, cast, has_w)
-                add("rms_norm_fwd_persistent", *args, hints=f.hints)
-                continue
-            for store in (True, False) if every_path else (True,):  # without rstd, y stands in for it
+            # The persistent kernel always stores rstd; without rstd, y stands in for it.
+            stores = (True, False) if every_path and f.kernel == "gather" else (True,)
+            for store in stores:
                 rstd = _arr(_F32, 1) if store else x2
-                args = (x2, w1, x2, rstd, _S, _S, f.tile_n, cast, has_w, f.single_tile, store)
-                add("rms_norm_fwd_gather", *args, hints=f.hints)
+                name, args = _forward_variant(f, x2, w1, rstd, x2, x2, cast, has_w, store, 0)
+                add(name, *args, hints=f.hints)
     b = config.backward_config(m, n, dtype, num_sms)
     for has_w in (True, False) if every_path else (True,):
-        x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
-        if b.plan == "direct":
-            args = (x2, x2, w1, r1, x2, w1, _S, b.tile_m, b.tile_n, b.strip_n, b.strip_m, has_w)
-            add("rms_norm_bwd_direct", *args, hints=b.hints)
-            continue  # no partial buffer, no reduction
-        if b.plan == "persistent":
-            args = (x2, x2, w1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, b.tail_n, has_w)
-            add("rms_norm_bwd_persistent", *args, hints=b.hints)
-        else:
-            args = (x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w)
-            add("rms_norm_bwd_row_dot", *args, hints=b.hints)
-            args = (x2, x2, w1, r1, r1, x2, _arr(_F32, 2), _S, b.tile_m, b.tile_n, has_w)
-            add("rms_norm_bwd_column_chunk", *args, hints=b.hints)
+        _backward_variants(b, dtype, has_w, False, add)
     if b.plan != "direct":
         red = config.reduce_config(n, num_sms)
         add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)
+    return list(found)
+
+
+# The fused residual add: (x dtype, residual dtype) pairs, the fp32 residual stream included, over widths
+# that reach a single tile, a tile plus a tail tile and the chunked kernels. Representative rather than
+# exhaustive (the variants of the plain norm cover the tile shapes): every mode and the no-rstd forward
+# on bf16 only.
+FUSED_ADD_DTYPES = (
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+)
+FUSED_ADD_N = (1000, 5120, 65536)
+
+
+def fused_add_variants_for(m: int, n: int, dtype, residual_dtype, num_sms: int = REFERENCE_SMS) -> list[Variant]:
+    """The variants a fused add of ``(m, n)`` launches: each forward kernel forced, in modes "pre" and "post"
+    (1, 2: the kernels' ADD), and the backward adding the gradient of residual_out (``HAS_DRES``), which
+    runs on the sum (``residual_dtype``). Llama casting with a weight of x's dtype."""
+    found, add = _collector()
+    full = dtype == residual_dtype == torch.bfloat16
+    x2, w1, r2 = _arr(dtype, 2), _arr(dtype, 1), _arr(residual_dtype, 2)
+    for kernel in config.FORWARD_KERNELS:
+        try:
+            f = config.forward_config(m, n, dtype, num_sms, kernel)
+        except ValueError:
+            continue
+        for mode in (1, 2) if full else (1,):
+            res_out = r2 if mode == 1 else x2  # "post" writes no sum: y stands in
+            for store in (True, False) if full and f.kernel == "gather" else (True,):
+                rstd = _arr(_F32, 1) if store else x2
+                name, args = _forward_variant(f, x2, w1, rstd, r2, res_out, 0, True, store, mode)
+                add(name, *args, hints=f.hints)
+    _backward_variants(config.backward_config(m, n, residual_dtype, num_sms), residual_dtype, True, True, add)
     return list(found)
 
 
@@ -117,6 +168,10 @@ def variants() -> list[Variant]:
         for n in REPRESENTATIVE_N:
             for m in REPRESENTATIVE_M:
                 found.update(dict.fromkeys(variants_for(m, n, dtype)))
+    for dtype, residual_dtype in FUSED_ADD_DTYPES:
+        for n in FUSED_ADD_N:
+            for m in REPRESENTATIVE_M:
+                found.update(dict.fromkeys(fused_add_variants_for(m, n, dtype, residual_dtype)))
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
     tile_n = config.HEURISTICS.reduce_min_tile_n
     while tile_n <= config.HEURISTICS.reduce_max_tile_n:

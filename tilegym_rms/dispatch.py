@@ -1,7 +1,8 @@
 """Backend registry and selection, and the contract every backend module satisfies.
 
 A backend is a module satisfying :class:`Backend` (checked by ``tests/test_api.py``), plus, where it
-has them, the optional capabilities :class:`FusedAddBackend`, :class:`QKNormBackend` and
+has them, the optional capabilities :class:`FusedAddBackend`, :class:`FusedAddBackwardBackend`,
+:class:`QKNormBackend` and
 :class:`WorkspaceBackend`.
 
 Selection (``backend=None``): ``TILEGYM_RMS_BACKEND`` if set; else by device: ``npu`` -> triton
@@ -40,10 +41,26 @@ class Backend(Protocol):
 class FusedAddBackend(Protocol):
     """Optional: a fused residual add (else :mod:`tilegym_rms.ops` adds in torch, then normalizes)."""
 
+    # Whether ``residual`` may have another dtype than ``x`` (else ops adds such pairs in torch).
+    FUSED_ADD_MIXED_DTYPES: bool
+
     def fused_add_forward(self, x, residual, weight, eps: float, offset: float, casting_mode: str, *, mode: str,
-                          store_rstd=True):  # fmt: skip
-        """``(y, residual_out, rstd)`` for ``s = x + residual`` (same dtype); ``residual_out`` is ``s``
-        (mode "pre") or ``y`` (mode "post")."""
+                          store_rstd=True, residual_out=None, kernel=None):  # fmt: skip
+        """``(y, residual_out, rstd)`` for ``s = x + residual`` (:func:`tilegym_rms.reference.fused_add_sum`:
+        in residual's dtype); ``residual_out`` is ``s`` (mode "pre") or ``y`` (mode "post"). With a
+        ``residual_out`` tensor (mode "pre"; residual's shape and dtype, contiguous rows) ``s`` is written
+        there, also when it is ``residual`` itself (in place). ``kernel`` as in :meth:`Backend.forward`;
+        ``rstd`` None unless ``store_rstd``."""
+
+
+@runtime_checkable
+class FusedAddBackwardBackend(Protocol):
+    """Optional: the fused add's backward in one pass (else :mod:`tilegym_rms.ops` adds ``dres`` in torch)."""
+
+    def fused_add_backward(self, s, dy, dres, weight, rstd, offset: float, casting_mode: str):
+        """``(ds, dw)``: :meth:`Backend.backward` at the sum ``s`` plus ``dres``, the gradient of
+        residual_out (mode "pre"), in ``s``'s dtype (``dy`` and ``dres`` have it too); ``ds`` is the
+        gradient of ``x`` and of ``residual`` (up to a cast)."""
 
 
 @runtime_checkable

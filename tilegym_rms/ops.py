@@ -81,7 +81,9 @@ def _forward(x, weight, eps, offset, casting_mode, backend, kernel=None, store_r
     return y.view(x.shape), (rstd.view(x.shape[:-1]) if rstd is not None else None)
 
 
-def _backward(x, dy, weight, rstd, offset, casting_mode, backend):
+def _backward(x, dy, weight, rstd, offset, casting_mode, backend, dres=None):
+    """``(dx, dw)``; with ``dres`` (the gradient of a fused add's residual_out, like ``x``) ``dx + dres``
+    from the backend's one-pass :meth:`~tilegym_rms.dispatch.FusedAddBackwardBackend.fused_add_backward`."""
     module = _backend(x, backend)
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format), (
@@ -89,7 +91,11 @@ def _backward(x, dy, weight, rstd, offset, casting_mode, backend):
         )
     n = x.shape[-1]
     rows = rstd if rstd.dim() == 1 else rstd.reshape(-1)
-    dx, dw = module.backward(_rows(x, n), _rows(dy, n), _dense_weight(weight), rows, offset, casting_mode)
+    x2, dy2, w = _rows(x, n), _rows(dy, n), _dense_weight(weight)
+    if dres is None:
+        dx, dw = module.backward(x2, dy2, w, rows, offset, casting_mode)
+    else:
+        dx, dw = module.fused_add_backward(x2, dy2, _rows(dres, n), w, rows, offset, casting_mode)
     return (dx if x.dim() == 2 else dx.view(x.shape)), dw
 
 
@@ -179,7 +185,7 @@ def _rms_norm_bwd_op(
 
 
 @_rms_norm_bwd_op.register_fake
-def _(x, dy, weight, rstd, offset, casting_mode, backend):
+def _rms_norm_bwd_fake(x, dy, weight, rstd, offset, casting_mode, backend):
     dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw
 
@@ -277,17 +283,22 @@ def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, backend: str, d
 # ----------------------------------------------------------------------------------------------
 
 
-def _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend):
+def _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend, store_rstd=True, in_place=False):
+    """``(y, residual_out or None, rstd)``; ``in_place`` (mode "pre"): the sum is written into ``residual``
+    where the backend can (the returned residual_out then shares its memory), else the caller copies it."""
     module = _backend(x, backend)
     _checks.check_dtype_for_backend(residual, backend, module.SUPPORTED_DTYPES)
     fused = getattr(module, "fused_add_forward", None)
-    if fused is not None and residual.dtype == x.dtype and x.numel() > 0:
+    if fused is not None and x.numel() > 0 and (residual.dtype == x.dtype or module.FUSED_ADD_MIXED_DTYPES):
         n, w = x.shape[-1], _dense_weight(weight)
-        y, res_out, rstd = fused(_rows(x, n), _rows(residual, n), w, eps, offset, casting_mode, mode=mode)
-        return y.view(x.shape), (res_out.view(x.shape) if mode == "pre" else None), rstd.view(x.shape[:-1])
+        r2 = _rows(residual, n)  # a view of residual unless its rows could not be viewed densely
+        kw = {"residual_out": r2} if in_place else {}
+        y, res_out, rstd = fused(_rows(x, n), r2, w, eps, offset, casting_mode, mode=mode, store_rstd=store_rstd, **kw)
+        rstd = rstd.view(x.shape[:-1]) if rstd is not None else None
+        return y.view(x.shape), (res_out.view(x.shape) if mode == "pre" else None), rstd
     # No fused kernel for this backend or dtype pair: the add in torch, the norm in the backend.
     s = reference.fused_add_sum(x, residual)
-    y, rstd = _forward(s, weight, eps, offset, casting_mode, backend)
+    y, rstd = _forward(s, weight, eps, offset, casting_mode, backend, store_rstd=store_rstd)
     return y.to(x.dtype), (s if mode == "pre" else None), rstd
 
 
@@ -296,19 +307,34 @@ def _fused_add_saved(x, residual, res_out, mode):
     return (res_out, None) if mode == "pre" else (x, residual)
 
 
-def _fused_add_backward(norm_backward, a, b, weight, rstd, mode, offset, casting_mode, backend, dy, dres):
+def _fused_add_backward(norm_backward, a, b, weight, rstd, mode, offset, casting_mode, backend, dy, dres,
+                        fused_backward=None):  # fmt: skip
     """Gradients ``(ds, dw)`` of the fused add (``ds`` in the sum's dtype, the gradient of ``x`` and
     of ``residual`` up to a cast); ``norm_backward`` is the RMSNorm backward to use (eager function
-    or custom op), ``dres`` the gradient of a written ``residual_out``."""
+    or custom op), ``dres`` the gradient of a written ``residual_out``. ``fused_backward`` (same
+    arguments plus ``dres`` after ``dy``), where the backend has one, adds ``dres`` of mode "pre" in the
+    norm's own pass instead of a torch add over ``ds``."""
     s = a if mode == "pre" else reference.fused_add_sum(a, b)
     if dy is None:  # only residual_out was used
         dy = torch.zeros_like(s)
     if mode == "post" and dres is not None:
         dy = dy + dres  # residual_out is y: its gradient flows into the norm too
-    ds, dw = norm_backward(s, dy.to(s.dtype), weight, rstd, offset, casting_mode, backend)
+    dy = dy.to(s.dtype)
+    if mode == "pre" and dres is not None and fused_backward is not None:
+        return fused_backward(s, dy, dres.to(s.dtype), weight, rstd, offset, casting_mode, backend)
+    ds, dw = norm_backward(s, dy, weight, rstd, offset, casting_mode, backend)
     if mode == "pre" and dres is not None:
         ds = ds + dres
     return ds, dw
+
+
+def _has_fused_backward(backend: str) -> bool:
+    return hasattr(backend_module(backend), "fused_add_backward")
+
+
+def _fused_norm_backward(s, dy, dres, weight, rstd, offset, casting_mode, backend):
+    """A ``fused_backward`` for :func:`_fused_add_backward` in eager mode."""
+    return _backward(s, dy, weight, rstd, offset, casting_mode, backend, dres)
 
 
 def _differentiable_norm_backward(eps):
@@ -330,13 +356,20 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         ctx.save_for_backward(*_fused_add_saved(x, residual, res_out, mode), weight, rstd)
         ctx.config = (mode, offset, casting_mode, backend)
         ctx.eps, ctx.x_dtype = eps, x.dtype
+        # An unused output's gradient arrives as None rather than zeros: no zeros to read and add.
+        ctx.set_materialize_grads(False)
         # "post": residual_out is y; a second output slot lets autograd hand its gradient to backward.
         return y, (res_out if mode == "pre" else y.detach())
 
     @staticmethod
     def backward(ctx, dy, dres):
-        norm_backward = _differentiable_norm_backward(ctx.eps) if torch.is_grad_enabled() else _backward
-        ds, dw = _fused_add_backward(norm_backward, *ctx.saved_tensors, *ctx.config, dy, dres)
+        if torch.is_grad_enabled():  # double backward: differentiable torch math throughout
+            norm_backward, fused = _differentiable_norm_backward(ctx.eps), None
+        else:
+            norm_backward = _backward
+            fused = _fused_norm_backward if _has_fused_backward(ctx.config[-1]) else None
+        ds, dw = _fused_add_backward(norm_backward, *ctx.saved_tensors, *ctx.config, dy, dres, fused)
+        # The same tensor for both inputs where dtypes match (autograd accumulates each separately).
         return ds.to(ctx.x_dtype), ds, dw, None, None, None, None, None
 
 
@@ -369,6 +402,7 @@ def _fused_op_setup_context(ctx, inputs, output):
     ctx.save_for_backward(*_fused_add_saved(x, residual, output[1], mode), weight, output[2])
     ctx.config = (mode, offset, casting_mode, backend)
     ctx.x_dtype = x.dtype
+    ctx.set_materialize_grads(False)  # as in FusedAddRMSNormFunction
 
 
 def _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, backend):
@@ -376,11 +410,37 @@ def _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, backend)
     return dx, (dw if weight is not None else None)
 
 
+@torch.library.custom_op("tilegym_rms::fused_add_rms_norm_bwd", mutates_args=())
+def _fused_add_bwd_op(
+    s: torch.Tensor,
+    dy: torch.Tensor,
+    dres: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    offset: float,
+    casting_mode: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ds, dw = _backward(s, dy, weight, rstd, offset, casting_mode, backend, dres)
+    return ds, dw if dw is not None else s.new_empty((0,))  # as in rms_norm_bwd
+
+
+@_fused_add_bwd_op.register_fake
+def _(s, dy, dres, weight, rstd, offset, casting_mode, backend):
+    return _rms_norm_bwd_fake(s, dy, weight, rstd, offset, casting_mode, backend)
+
+
+def _fused_bwd_op_with_optional_dw(s, dy, dres, weight, rstd, offset, casting_mode, backend):
+    ds, dw = _fused_add_bwd_op(s, dy, dres, weight, rstd, offset, casting_mode, backend)
+    return ds, (dw if weight is not None else None)
+
+
 def _fused_op_backward(ctx, dy, dres, _drstd):
     a, b, weight, rstd = ctx.saved_tensors
-    mode = ctx.config[0]
+    mode, backend = ctx.config[0], ctx.config[-1]
+    fused = _fused_bwd_op_with_optional_dw if _has_fused_backward(backend) else None
     ds, dw = _fused_add_backward(
-        _bwd_op_with_optional_dw, a, b, weight, rstd, *ctx.config, dy, dres if mode == "pre" else None
+        _bwd_op_with_optional_dw, a, b, weight, rstd, *ctx.config, dy, dres if mode == "pre" else None, fused
     )
     return ds.to(ctx.x_dtype), ds, dw, None, None, None, None, None, None
 
@@ -413,8 +473,59 @@ def fused_add_rms_norm(
     needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
     if torch.is_grad_enabled() and needs_grad:
         return FusedAddRMSNormFunction.apply(x, residual, weight, eps, mode, offset, casting_mode, name)
-    y, res_out, _ = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, name)
+    y, res_out, _ = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, name, store_rstd=False)
     return y, (res_out if mode == "pre" else y)
+
+
+def _fused_add_in_place(x, residual, weight, eps, offset, casting_mode, backend):
+    y, s, _ = _fused_add_forward(x, residual, weight, eps, "pre", offset, casting_mode, backend, False, True)
+    if s.data_ptr() != residual.data_ptr():  # the torch add, or residual rows that were copied to be read
+        residual.copy_(s)
+    return y
+
+
+@torch.library.custom_op("tilegym_rms::fused_add_rms_norm_inplace", mutates_args=("residual",))
+def _fused_add_in_place_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    offset: float,
+    casting_mode: str,
+    backend: str,
+) -> torch.Tensor:
+    return _fused_add_in_place(x, residual, weight, eps, offset, casting_mode, backend)
+
+
+@_fused_add_in_place_op.register_fake
+def _(x, residual, weight, eps, offset, casting_mode, backend):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def fused_add_rms_norm_(x, residual, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None):
+    """In-place residual add fused with RMSNorm, for inference: ``residual`` becomes ``x + residual``
+    (:func:`fused_add_rms_norm`'s ``residual_out`` of mode "pre", in ``residual``'s dtype); returns
+    ``y = rms_norm(x + residual)`` (a new tensor in ``x``'s dtype). ``x`` is left unchanged: unlike vLLM's
+    ``fused_add_rms_norm(input, residual, ...)``, which also writes the output over ``input``.
+
+    No autograd: raises RuntimeError when grad mode is on and an input requires grad (use
+    :func:`fused_add_rms_norm`). On the cutile backend the kernel writes the sum over ``residual`` in
+    the same pass; other backends copy it there. Arguments as :func:`fused_add_rms_norm`.
+    """
+    eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
+    _checks.check_like("residual", residual, x)
+    tensors = (x, residual) if weight is None else (x, residual, weight)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "fused_add_rms_norm_ is inference-only (it overwrites residual, which autograd may need): call it "
+            "under torch.no_grad() or torch.inference_mode(), or use fused_add_rms_norm for training"
+        )
+    if any(type(t) is not torch.Tensor and _dtensor.is_dtensor(t) for t in tensors):
+        raise TypeError("fused_add_rms_norm_ does not take DTensors; use fused_add_rms_norm")
+    name = resolve_backend(x.device, backend)
+    if torch.compiler.is_compiling():
+        return _fused_add_in_place_op(x, residual, weight, eps, offset, casting_mode, name)
+    return _fused_add_in_place(x, residual, weight, eps, offset, casting_mode, name)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 from . import reference
 
-__all__ = ["chunked_errors", "rel_err", "strided"]
+__all__ = ["chunked_errors", "fused_add_errors", "rel_err", "strided"]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: float | None = None) -> float:
@@ -82,5 +82,62 @@ def chunked_errors(
         denom = max(ref, dx_scale) if k == "dx" else ref
         errs[k] = (err / denom) ** 0.5 if denom > 0 else err**0.5
     if "dw" in outputs and outputs["dw"] is not None:
+        errs["dw"] = rel_err(outputs["dw"].detach().reshape(-1), dw_ref)
+    return errs
+
+
+def fused_add_errors(
+    x: torch.Tensor,
+    r: torch.Tensor,
+    w: torch.Tensor | None,
+    eps: float,
+    outputs: dict,
+    dy: torch.Tensor | None = None,
+    dres: torch.Tensor | None = None,
+    *,
+    mode: str = "pre",
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    chunk_elems: int = 1 << 24,
+) -> dict[str, float]:
+    """Relative errors of the fused add + RMSNorm outputs present in ``outputs`` (``y``, ``res`` for
+    residual_out, ``rstd``; ``dx``, ``dr``, ``dw``) against :func:`tilegym_rms.reference.fused_add_rms_norm_forward`
+    in float64 and its float64 autograd gradients for ``(dy, dres)`` (``dres`` None: residual_out unused), in
+    row chunks so that the reference's memory stays bounded."""
+    n = x.shape[-1]
+    x2, r2 = x.reshape(-1, n), r.reshape(-1, n)
+    rows_outs = {k: v.reshape(-1, n) for k, v in outputs.items() if k in ("y", "res", "dx", "dr")}
+    if "rstd" in outputs:
+        rows_outs["rstd"] = outputs["rstd"].reshape(-1, 1)
+    need_grad = any(k in outputs for k in ("dx", "dr", "dw"))
+    w64 = w.detach().double().requires_grad_(need_grad) if w is not None else None
+    sq = {k: [0.0, 0.0] for k in rows_outs}
+    dw_ref = torch.zeros(n, dtype=torch.float64, device=x.device)
+    step = max(1, chunk_elems // max(n, 1))
+    for start in range(0, x2.shape[0], step):
+        rows = slice(start, start + step)
+        with torch.enable_grad():
+            xc = x2[rows].detach().double().requires_grad_(need_grad)
+            rc = r2[rows].detach().double().requires_grad_(need_grad)
+            y_ref, res_ref, rstd_ref = reference.fused_add_rms_norm_forward(
+                xc, rc, w64, eps, mode, offset, casting_mode
+            )
+            refs = {"y": y_ref.detach(), "res": res_ref.detach(), "rstd": rstd_ref.detach().reshape(-1, 1)}
+            if need_grad:
+                outs, grads = [y_ref], [dy.reshape(-1, n)[rows].double()]
+                if dres is not None:
+                    outs.append(res_ref)
+                    grads.append(dres.reshape(-1, n)[rows].double())
+                inputs = (xc, rc) + ((w64,) if w64 is not None else ())
+                got_grads = torch.autograd.grad(outs, inputs, grads)
+                refs["dx"], refs["dr"] = got_grads[:2]
+                if w64 is not None:
+                    dw_ref += got_grads[2]
+        for k, out in rows_outs.items():
+            got = out[rows].detach().double()
+            sq[k][0] += (got - refs[k]).square().sum().item()
+            sq[k][1] += refs[k].square().sum().item()
+    errs = {k: ((e / d) ** 0.5 if d > 0 else e**0.5) for k, (e, d) in sq.items()}
+    if outputs.get("dw") is not None:
         errs["dw"] = rel_err(outputs["dw"].detach().reshape(-1), dw_ref)
     return errs

@@ -1,7 +1,9 @@
 """cuTile backend: host side of the kernels in :mod:`.kernels`, tuned by :mod:`.config` and :mod:`.tuning`.
 
 Implements the backend contract of :mod:`tilegym_rms.dispatch` on 2-D ``(M, N)`` views whose
-last dim is dense. ``cuda.tile`` is imported lazily so that this package imports anywhere.
+last dim is dense, with the fused residual add (:class:`~tilegym_rms.dispatch.FusedAddBackend`, the
+kernels' ``ADD`` and ``HAS_DRES`` switches). ``cuda.tile`` is imported lazily so that this package
+imports anywhere.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ SUPPORTED_CC_MAJORS = (8, 10, 12)
 SUPPORTED_CC_EXACT = ((9, 0),)
 SUPPORTED_DTYPES = KERNEL_DTYPES
 FORWARD_KERNELS = config.FORWARD_KERNELS
+# The kernels add in fp32 and round to the residual's dtype, whatever x's (an fp32 residual stream).
+FUSED_ADD_MIXED_DTYPES = True
+# The kernels' ADD switch (kernels.ADD_NONE / ADD_PRE / ADD_POST; kernels imports cuda.tile).
+_ADD_NONE, _ADD_MODES = 0, {"pre": 1, "post": 2}
 
 
 @functools.cache
@@ -138,30 +144,54 @@ class _ForwardLaunch:
 
 
 @functools.lru_cache(maxsize=4096)
-def _forward_launch(device_index, m, n, dtype, kernel, casting_mode, has_w, store_rstd) -> _ForwardLaunch:
+def _forward_launch(device_index, m, n, dtype, kernel, casting_mode, has_w, store_rstd, add) -> _ForwardLaunch:
+    # The fused add takes the plain norm's configuration for x's (M, N, dtype): it moves more bytes per
+    # row, but has not been tuned on its own yet.
     k = _kernels()
     cfg = _forward_config(device_index, m, n, dtype, kernel)
     cast = CASTING_CODES[casting_mode]
     if cfg.kernel == "gather":
-        constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd)
+        constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd, add)
         return _ForwardLaunch(k.rms_norm_fwd_gather, (m,), cfg.hints, constants, store_rstd)
     # The persistent kernel always stores rstd (see kernels.STORE_RSTD).
-    constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w)
+    constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add)
     return _ForwardLaunch(k.rms_norm_fwd_persistent, (cfg.grid,), cfg.hints, constants, True)
+
+
+def _forward(x, residual, res_out, weight, eps, offset, casting_mode, store_rstd, kernel, add):
+    """One forward launch: ``(y, rstd)``, with ``add`` the kernels' ADD (``residual`` read, ``res_out``
+    written in "pre" mode; both None without the add)."""
+    m, n = x.shape
+    y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
+    dev = x.get_device()
+    plan = _forward_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, add)
+    rstd = x.new_empty((m,), dtype=torch.float32) if plan.allocates_rstd else None
+    x = _plain(x)
+    # Without rstd the kernel stores none, without the add it reads no residual and writes no sum: y and x
+    # stand in for those arguments.
+    args = (x, _weight_arg(weight, x), y, y if rstd is None else rstd)
+    args += (x if residual is None else _plain(residual), y if res_out is None else res_out, float(eps), float(offset))
+    _launch()(plan.kernel, plan.grid, args + plan.constants, dev, plan.hints)
+    return y, (rstd if store_rstd else None)
 
 
 def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, kernel=None):
     """``(y, rstd)`` for a 2-D ``x`` (``rstd`` None unless ``store_rstd``); see
     :class:`tilegym_rms.dispatch.Backend`. ``kernel``: one of :data:`FORWARD_KERNELS`, None chooses."""
-    m, n = x.shape
-    y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
-    dev = x.get_device()
-    plan = _forward_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd)
-    rstd = x.new_empty((m,), dtype=torch.float32) if plan.allocates_rstd else None
-    # Without rstd the kernel stores none; y stands in for the argument.
-    args = (_plain(x), _weight_arg(weight, x), y, y if rstd is None else rstd, float(eps), float(offset))
-    _launch()(plan.kernel, plan.grid, args + plan.constants, dev, plan.hints)
-    return y, (rstd if store_rstd else None)
+    return _forward(x, None, None, weight, eps, offset, casting_mode, store_rstd, kernel, _ADD_NONE)
+
+
+def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, store_rstd=True, residual_out=None,
+                      kernel=None):  # fmt: skip
+    """``(y, residual_out, rstd)`` of ``s = x + residual`` in one pass; see
+    :class:`tilegym_rms.dispatch.FusedAddBackend`. ``residual`` may have another dtype than ``x`` (the sum
+    is kept in residual's). ``residual_out`` (mode "pre") may be ``residual`` itself: each element of the
+    residual is read before the kernel overwrites it with its sum, by the same block (kernels.ADD)."""
+    if mode == "pre" and residual_out is None:
+        residual_out = torch.empty_like(residual)  # contiguous, as y: residual's rows are dense
+    res_out = residual_out if mode == "pre" else None
+    y, rstd = _forward(x, residual, res_out, weight, eps, offset, casting_mode, store_rstd, kernel, _ADD_MODES[mode])
+    return y, (res_out if mode == "pre" else y), rstd
 
 
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -173,6 +203,18 @@ def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.d
 def backward(x, dy, weight, rstd, offset, casting_mode):
     """``(dx, dw)`` for 2-D ``x`` and ``dy``; see :class:`tilegym_rms.dispatch.Backend`."""
     del casting_mode  # the backward formula is the same for every casting mode
+    return _backward(x, dy, None, weight, rstd, offset)
+
+
+def fused_add_backward(s, dy, dres, weight, rstd, offset, casting_mode):
+    """``(ds, dw)``: the norm's backward at the sum ``s`` plus ``dres`` (the gradient of residual_out, mode
+    "pre"), added in the same pass; see :class:`tilegym_rms.dispatch.FusedAddBackend`."""
+    del casting_mode  # as in backward
+    return _backward(s, dy, dres, weight, rstd, offset)
+
+
+def _backward(x, dy, dres, weight, rstd, offset):
+    """The backward launches; ``dres`` (or None) is added to dx by the kernels' HAS_DRES."""
     m, n = x.shape
     dx = torch.empty_like(x)
     has_w = weight is not None
@@ -180,24 +222,26 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
     dev = x.get_device()
     cfg = _backward_config(dev, m, n, x.dtype)
     dy, x, w = _plain(dy), _plain(x), _weight_arg(weight, x)
+    has_dres = dres is not None
+    dres = _plain(dres) if has_dres else dx  # a dummy without the add (never read then)
     if cfg.plan == "direct":
         dw = weight.new_empty((n,)) if has_w else None
-        args = (dy, x, w, rstd, dx, w if dw is None else dw, float(offset), cfg.tile_m, cfg.tile_n)
-        args += (cfg.strip_n, cfg.strip_m, has_w)
+        args = (dy, x, w, rstd, dx, w if dw is None else dw, dres, float(offset), cfg.tile_m, cfg.tile_n)
+        args += (cfg.strip_n, cfg.strip_m, has_w, has_dres)
         launch(k.rms_norm_bwd_direct, (cfg.grid + (cfg.num_chunks if has_w else 0),), args, dev, cfg.hints)
         return dx, dw
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
     dw_partial = x.new_empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32)
     if cfg.plan == "persistent":
-        args = (dy, x, w, rstd, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w)
-        launch(k.rms_norm_bwd_persistent, (cfg.grid,), args, dev, cfg.hints)
+        args = (dy, x, w, rstd, dx, dw_partial, dres, float(offset), cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w)
+        launch(k.rms_norm_bwd_persistent, (cfg.grid,), args + (has_dres,), dev, cfg.hints)
     else:
         row_dot = x.new_empty((m,), dtype=torch.float32)
         args = (dy, x, w, rstd, row_dot, float(offset), cfg.tile_m, cfg.tile_n, has_w)
         grid = (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),)
         launch(k.rms_norm_bwd_row_dot, grid, args, dev, cfg.hints)
-        args = (dy, x, w, rstd, row_dot, dx, dw_partial, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(k.rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args, dev, cfg.hints)
+        args = (dy, x, w, rstd, row_dot, dx, dw_partial, dres, float(offset), cfg.tile_m, cfg.tile_n, has_w)
+        launch(k.rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args + (has_dres,), dev, cfg.hints)
     if not has_w:
         return dx, None
     dw = weight.new_empty((n,))

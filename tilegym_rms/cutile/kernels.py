@@ -9,8 +9,17 @@ product or a dw column. Compile-time constants:
 * ``HAS_W``: False for RMSNorm without affine (the weight argument is then a dummy).
 * ``STORE_RSTD`` (gather forward): False when no backward will follow (inference); ``rstd`` is then a
   dummy (the output ``y``), which spares the host an allocation per call. The persistent forward
-  always stores rstd: without the store its fp32 code ran 5-8% slower (bench/NOTES.md, experiment 16),
-  and at the sizes it serves the allocation does not matter.
+  always stores rstd, fused add included: without the store its fp32 code ran 5-8% slower
+  (bench/NOTES.md, experiment 16), and at the sizes it serves the allocation does not matter.
+* ``ADD`` (forward): the fused residual add, :data:`ADD_NONE`, :data:`ADD_PRE` or :data:`ADD_POST`. The
+  kernel normalizes ``s = x + residual``, summed in fp32 and rounded to ``residual``'s dtype (exactly
+  :func:`tilegym_rms.reference.fused_add_sum`); the casting mode rounds in that dtype and ``y`` gets
+  x's. "pre" also stores ``s`` into ``res_out``. Without the add, ``residual`` is ``x`` and ``res_out``
+  ``y`` (dummies, never read or written). ``res_out`` may be ``residual`` itself (the in-place
+  variant): every element of ``residual`` is read for the last time in the step that writes its
+  ``s``, so the write never precedes a read of the same element.
+* ``HAS_DRES`` (backward): adds ``dres``, the gradient of a fused add's ``residual_out`` (mode "pre"),
+  to dx in fp32 before its one rounding, so that ``ds`` is written once; else ``dres`` is a dummy.
 
 ``eps`` and ``offset`` are run-time scalars so that changing them never recompiles.
 """
@@ -23,6 +32,8 @@ from ..experimental import experimental_kernel
 from ..reference import CASTING_CODES
 
 CAST_LLAMA, CAST_GEMMA, CAST_NONE = (CASTING_CODES[m] for m in ("llama", "gemma", "none"))
+# The forward's ADD switch: no residual add, the fused add storing the sum ("pre"), or not ("post").
+ADD_NONE, ADD_PRE, ADD_POST = 0, 1, 2
 
 _ZERO = ct.PaddingMode.ZERO
 _F32 = ct.float32
@@ -40,6 +51,18 @@ def _round_to(t, dtype):
 
 def _load_f32(array, index, shape, latency):
     return ct.astype(ct.load(array, index, shape, padding_mode=_ZERO, latency=latency), _F32)
+
+
+def _load_input(x, residual, res_out, index, shape, ADD, STORE_SUM):
+    """The row values the forward normalizes, fp32: ``x``, or with ``ADD`` the sum ``x + residual``
+    rounded to residual's dtype (what torch's add stores), stored into ``res_out`` when ``STORE_SUM``."""
+    xf = _load_f32(x, index, shape, 10)
+    if ADD == ADD_NONE:
+        return xf
+    s = ct.astype(xf + _load_f32(residual, index, shape, 10), residual.dtype)
+    if STORE_SUM:
+        ct.store(res_out, index, s, allow_tma=False)
+    return ct.astype(s, _F32)
 
 
 def _effective_weight(w, chunk, offset, TILE_N, HAS_W, CAST, dtype):
@@ -73,6 +96,12 @@ def _normalize(xf, r, wt, CAST, dtype):
     return ct.astype(_round_to(xf * r, dtype) * wt, dtype)
 
 
+def _normalize_as(xf, r, wt, CAST, dtype, out_dtype):
+    """:func:`_normalize` rounded in ``dtype`` (a fused add's sum), then cast to ``out_dtype`` (x's):
+    the reference's ``rms_norm_forward(s).to(x.dtype)``; a no-op cast without the add."""
+    return ct.astype(_normalize(xf, r, wt, CAST, dtype), out_dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
@@ -84,6 +113,8 @@ def rms_norm_fwd_gather(
     w,
     y,
     rstd,
+    residual,
+    res_out,
     eps,
     offset,
     TILE_N: ct.Constant[int],
@@ -91,27 +122,30 @@ def rms_norm_fwd_gather(
     HAS_W: ct.Constant[bool],
     SINGLE_TILE: ct.Constant[bool],
     STORE_RSTD: ct.Constant[bool],
+    ADD: ct.Constant[int],
 ):
     """One row per block. ``SINGLE_TILE``: the row fits one tile and stays in registers; otherwise
-    pass 1 sums squares over column chunks and pass 2 re-reads each chunk to normalize it."""
+    pass 1 sums squares over column chunks and pass 2 re-reads each chunk to normalize it (and, in
+    fused "pre" mode, stores the sum there: pass 2 is the last to read the residual, see ``ADD``)."""
     row = ct.bid(0)
     n = x.shape[1]
+    sdt = residual.dtype  # the dtype of the values normalized: the sum's (residual is x without the add)
     if SINGLE_TILE:
-        xf = _load_f32(x, (row, 0), (1, TILE_N), 10)
-        r = _rstd_from_sum_sq(_sum_sq(xf), n, eps, CAST, x.dtype)
-        wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, x.dtype)
-        ct.store(y, (row, 0), _normalize(xf, r, wt, CAST, y.dtype), allow_tma=False)
+        xf = _load_input(x, residual, res_out, (row, 0), (1, TILE_N), ADD, ADD == ADD_PRE)
+        r = _rstd_from_sum_sq(_sum_sq(xf), n, eps, CAST, sdt)
+        wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, sdt)
+        ct.store(y, (row, 0), _normalize_as(xf, r, wt, CAST, sdt, y.dtype), allow_tma=False)
     else:
         num_chunks = ct.cdiv(n, TILE_N)
         acc = ct.zeros((1, TILE_N), dtype=_F32)
         for j in range(num_chunks):
-            xf = _load_f32(x, (row, j), (1, TILE_N), 10)
+            xf = _load_input(x, residual, res_out, (row, j), (1, TILE_N), ADD, False)
             acc = acc + xf * xf
-        r = _rstd_from_sum_sq(ct.sum(acc, axis=1, keepdims=True), n, eps, CAST, x.dtype)
+        r = _rstd_from_sum_sq(ct.sum(acc, axis=1, keepdims=True), n, eps, CAST, sdt)
         for j in range(num_chunks):
-            xf = _load_f32(x, (row, j), (1, TILE_N), 10)
-            wt = _effective_weight(w, j, offset, TILE_N, HAS_W, CAST, x.dtype)
-            ct.store(y, (row, j), _normalize(xf, r, wt, CAST, y.dtype), allow_tma=False)
+            xf = _load_input(x, residual, res_out, (row, j), (1, TILE_N), ADD, ADD == ADD_PRE)
+            wt = _effective_weight(w, j, offset, TILE_N, HAS_W, CAST, sdt)
+            ct.store(y, (row, j), _normalize_as(xf, r, wt, CAST, sdt, y.dtype), allow_tma=False)
     if STORE_RSTD:
         ct.store(rstd, (row,), ct.reshape(r, (1,)))
 
@@ -122,6 +156,8 @@ def rms_norm_fwd_persistent(
     w,
     y,
     rstd,
+    residual,
+    res_out,
     eps,
     offset,
     TILE_M: ct.Constant[int],
@@ -129,25 +165,29 @@ def rms_norm_fwd_persistent(
     TAIL_N: ct.Constant[int],
     CAST: ct.Constant[int],
     HAS_W: ct.Constant[bool],
+    ADD: ct.Constant[int],
 ):
     """Static persistent: the weight is loaded once per block, which then grid-strides over
     ``TILE_M x TILE_N`` row tiles (``TILE_N >= N``), or over rows held as a tile plus a narrower tail
     tile (``TAIL_N > 0``: columns ``[TILE_N, TILE_N + TAIL_N)``, as in the backward)."""
     n = x.shape[1]
-    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, x.dtype)
+    sdt = residual.dtype  # as in rms_norm_fwd_gather
+    store_sum = ADD == ADD_PRE
+    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, sdt)
     if TAIL_N:
         tail = TILE_N // TAIL_N  # the tail tile's column index
-        wt_tail = _effective_weight(w, tail, offset, TAIL_N, HAS_W, CAST, x.dtype)
+        wt_tail = _effective_weight(w, tail, offset, TAIL_N, HAS_W, CAST, sdt)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
-        xf = _load_f32(x, (t, 0), (TILE_M, TILE_N), 10)
+        xf = _load_input(x, residual, res_out, (t, 0), (TILE_M, TILE_N), ADD, store_sum)
         sum_sq = _sum_sq(xf)
         if TAIL_N:
-            xf_tail = _load_f32(x, (t, tail), (TILE_M, TAIL_N), 10)
+            xf_tail = _load_input(x, residual, res_out, (t, tail), (TILE_M, TAIL_N), ADD, store_sum)
             sum_sq = sum_sq + _sum_sq(xf_tail)
-        r = _rstd_from_sum_sq(sum_sq, n, eps, CAST, x.dtype)
-        ct.store(y, (t, 0), _normalize(xf, r, wt, CAST, y.dtype), allow_tma=False, latency=3)
+        r = _rstd_from_sum_sq(sum_sq, n, eps, CAST, sdt)
+        ct.store(y, (t, 0), _normalize_as(xf, r, wt, CAST, sdt, y.dtype), allow_tma=False, latency=3)
         if TAIL_N:
-            ct.store(y, (t, tail), _normalize(xf_tail, r, wt_tail, CAST, y.dtype), allow_tma=False, latency=3)
+            y_tail = _normalize_as(xf_tail, r, wt_tail, CAST, sdt, y.dtype)
+            ct.store(y, (t, tail), y_tail, allow_tma=False, latency=3)
         ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)), allow_tma=False)
 
 
@@ -175,9 +215,13 @@ def _dw_rows(dyf, xhat):
     return ct.sum(dyf * xhat, axis=0, keepdims=True)
 
 
-def _dx(g, xhat, c, r, dtype):
-    """``dx = rstd * (g - x^ * c)`` with ``c`` the row's ``mean(x^ * g)``, in ``dtype``."""
-    return ct.astype((g - xhat * c) * r, dtype)
+def _dx(g, xhat, c, r, dres, index, shape, HAS_DRES, dtype):
+    """``dx = rstd * (g - x^ * c)`` with ``c`` the row's ``mean(x^ * g)``, in ``dtype``; with ``HAS_DRES``
+    plus tile ``index`` of ``dres`` (a fused add's ``ds``), added before the one rounding."""
+    dx = (g - xhat * c) * r
+    if HAS_DRES:
+        dx = dx + _load_f32(dres, index, shape, 10)
+    return ct.astype(dx, dtype)
 
 
 @experimental_kernel
@@ -189,11 +233,13 @@ def rms_norm_bwd_persistent(
     rstd,
     dx,
     dw_partial,
+    dres,
     offset,
     TILE_M: ct.Constant[int],
     TILE_N: ct.Constant[int],
     TAIL_N: ct.Constant[int],
     HAS_W: ct.Constant[bool],
+    HAS_DRES: ct.Constant[bool],
 ):
     """Rows fit one tile (``TILE_N >= N``), or one tile plus a narrower tail tile (``TAIL_N > 0``: columns
     ``[TILE_N, TILE_N + TAIL_N)``), so that e.g. N = 5120 is held as 4096 + 1024 rather than padded to 8192
@@ -217,9 +263,11 @@ def rms_norm_bwd_persistent(
             g_tail = dyf_tail * wt_tail
             dot = dot + _row_dot(xhat_tail, g_tail)
         c = dot / n
-        ct.store(dx, (t, 0), _dx(g, xhat, c, r, dx.dtype), allow_tma=False, latency=3)
+        dx_head = _dx(g, xhat, c, r, dres, (t, 0), (TILE_M, TILE_N), HAS_DRES, dx.dtype)
+        ct.store(dx, (t, 0), dx_head, allow_tma=False, latency=3)
         if TAIL_N:
-            ct.store(dx, (t, tail), _dx(g_tail, xhat_tail, c, r, dx.dtype), allow_tma=False, latency=3)
+            dx_tail = _dx(g_tail, xhat_tail, c, r, dres, (t, tail), (TILE_M, TAIL_N), HAS_DRES, dx.dtype)
+            ct.store(dx, (t, tail), dx_tail, allow_tma=False, latency=3)
         if HAS_W:
             dw_acc = dw_acc + _dw_rows(dyf, xhat)
             if TAIL_N:
@@ -239,12 +287,14 @@ def rms_norm_bwd_direct(
     rstd,
     dx,
     dw,
+    dres,
     offset,
     TILE_M: ct.Constant[int],
     TILE_N: ct.Constant[int],
     STRIP_N: ct.Constant[int],
     STRIP_M: ct.Constant[int],
     HAS_W: ct.Constant[bool],
+    HAS_DRES: ct.Constant[bool],
 ):
     """Few rows, one launch, no partial buffer: the first ``cdiv(M, TILE_M)`` blocks each write dx for one
     ``TILE_M x TILE_N`` row tile (``TILE_N >= N``); each further block owns a ``STRIP_N``-wide column strip
@@ -258,7 +308,8 @@ def rms_norm_bwd_direct(
         r = _load_row_values(rstd, b, TILE_M)
         xhat, dyf = _xhat_and_dy(x, dy, r, b, 0, TILE_M, TILE_N)
         g = dyf * wt
-        ct.store(dx, (b, 0), _dx(g, xhat, _row_dot(xhat, g) / n, r, dx.dtype), allow_tma=False)
+        c = _row_dot(xhat, g) / n
+        ct.store(dx, (b, 0), _dx(g, xhat, c, r, dres, (b, 0), (TILE_M, TILE_N), HAS_DRES, dx.dtype), allow_tma=False)
     elif HAS_W:
         strip = b - row_tiles
         acc = ct.zeros((STRIP_M, STRIP_N), dtype=_F32)
@@ -294,10 +345,12 @@ def rms_norm_bwd_column_chunk(
     row_dot,
     dx,
     dw_partial,
+    dres,
     offset,
     TILE_M: ct.Constant[int],
     TILE_N: ct.Constant[int],
     HAS_W: ct.Constant[bool],
+    HAS_DRES: ct.Constant[bool],
 ):
     """Wide rows, step 2 of 2: block ``(b, j)`` owns column chunk ``j`` and grid-strides over row
     tiles along axis 0; it writes dx for its chunk and its dw share into ``dw_partial[b, chunk j]``."""
@@ -308,7 +361,8 @@ def rms_norm_bwd_column_chunk(
         r = _load_row_values(rstd, t, TILE_M)
         xhat, dyf = _xhat_and_dy(x, dy, r, t, j, TILE_M, TILE_N)
         c = _load_row_values(row_dot, t, TILE_M)
-        ct.store(dx, (t, j), _dx(dyf * wt, xhat, c, r, dx.dtype), allow_tma=False, latency=3)
+        dx_chunk = _dx(dyf * wt, xhat, c, r, dres, (t, j), (TILE_M, TILE_N), HAS_DRES, dx.dtype)
+        ct.store(dx, (t, j), dx_chunk, allow_tma=False, latency=3)
         if HAS_W:
             dw_acc = dw_acc + _dw_rows(dyf, xhat)
     if HAS_W:

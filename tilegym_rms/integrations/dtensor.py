@@ -88,6 +88,15 @@ def register() -> bool:
         rules += [([Shard(d), dw], [Shard(d), Shard(d), w, Shard(d)]) for d in row_dims(x)]
         return rules
 
+    @register_sharding(lib.fused_add_rms_norm_bwd.default)
+    def _fused_add_bwd(s, dy, dres, weight, rstd, offset, casting_mode, backend):
+        # As rms_norm_bwd, dres sharded like s.
+        w = weight_placement(weight)
+        dw = Partial() if weight is not None else Replicate()
+        rules = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), w, Replicate()])]
+        rules += [([Shard(d), dw], [Shard(d), Shard(d), Shard(d), w, Shard(d)]) for d in row_dims(s)]
+        return rules
+
     @register_sharding(lib.fused_add_rms_norm_fwd.default)
     def _fused_add_fwd(x, residual, weight, eps, mode, offset, casting_mode, backend, wiring):
         w = weight_placement(weight)
@@ -129,5 +138,6 @@ def _hash_scalar_args(lib) -> None:
     table = getattr(DTensor._op_dispatcher.sharding_propagator, "op_to_schema_info", None)
     if table is None:
         return
-    for op in (lib.rms_norm_fwd.default, lib.rms_norm_bwd.default, lib.fused_add_rms_norm_fwd.default):
+    ops = (lib.rms_norm_fwd, lib.rms_norm_bwd, lib.fused_add_rms_norm_fwd, lib.fused_add_rms_norm_bwd)
+    for op in (o.default for o in ops):
         table[op] = RuntimeSchemaInfo(static_argnum=1, needs_pytree=True)

@@ -174,11 +174,17 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, kernel=Non
     return y, rstd
 
 
-def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, store_rstd=True):
+FUSED_ADD_MIXED_DTYPES = False  # the kernels take x and residual of one dtype
+
+
+def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, store_rstd=True, residual_out=None,
+                      kernel=None):  # fmt: skip
     """``S = x + residual``; ``y = rms_norm(S)``. Returns ``(y, residual_out, rstd)``.
 
     ``mode="pre"``: ``residual_out = S``. ``mode="post"``: ``residual_out`` is ``y`` itself and ``S``
-    is never written to memory.
+    is never written to memory. A given ``residual_out`` receives a copy of ``S``: the partitioned kernel
+    re-reads the residual after writing S, so it cannot write over the residual it reads. ``kernel``
+    forces a path, as in :func:`forward`.
     """
     if mode not in FUSED_ADD_MODES:
         raise ValueError(f"mode must be one of {FUSED_ADD_MODES}, got {mode!r}")
@@ -186,17 +192,12 @@ def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, s
         raise ValueError("residual must have x's shape and unit column stride")
     if residual.dtype != x.dtype:
         raise TypeError(f"residual dtype {residual.dtype} must match x dtype {x.dtype}")
-    return _forward_impl(
-        x,
-        residual,
-        weight,
-        eps,
-        offset,
-        casting_mode,
-        store_rstd,
-        mode == "pre",
-        "fused_add",
+    y, res_out, rstd = _forward_impl(
+        x, residual, weight, eps, offset, casting_mode, store_rstd, mode == "pre", "fused_add", kernel
     )
+    if mode == "pre" and residual_out is not None:
+        res_out = residual_out.copy_(res_out)
+    return y, res_out, rstd
 
 
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device) -> int:
