@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-gain", type=float, default=0.01, help="a winner must beat the analytic by this")
     parser.add_argument("--plan", action="store_true", help="print the counts and the time estimate; no GPU")
     parser.add_argument("--analytic", action="store_true", help="write the analytic heuristics' table; no GPU")
+    parser.add_argument(
+        "--overlay",
+        metavar="SWEEP",
+        help="lay a measured sweep over the analytic table of its device (tuning.overlay) and write --out; no GPU",
+    )
     parser.add_argument("--sms", type=int, help="--plan / --analytic: the SM count")
     parser.add_argument("--capability", default="9.0", help="--analytic: compute capability, e.g. 9.0")
     parser.add_argument("--name", default="", help="--analytic: the device's name")
@@ -119,6 +124,15 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     command = "python bench/tune_table.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.overlay:
+        if not args.out:
+            parser.error("--overlay needs --out")
+        sweep = json.loads(open(args.overlay).read())
+        dev = sweep["device"]
+        base = tuning.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)
+        tuning.write(tuning.overlay(base, sweep), args.out)
+        print(f"wrote {args.out} ({dev['key']}, {args.overlay} over the analytic table)")
+        return 0
     if args.analytic:
         if not (args.sms and args.out):
             parser.error("--analytic needs --sms and --out")

@@ -98,12 +98,54 @@ def as_json(value):
 @pytest.mark.parametrize("env_value", ["off", None])
 def test_grid_configs_equal_the_heuristics_before_the_table(env_value):
     """``off`` (a fresh process: the variable is read once): the analytic fallback; unset: the shipped
-    H100 table. Both give the frozen pre-table decisions on the grid, whose widths are bucket points."""
+    H100 table. Both give the frozen pre-table decisions on the grid, whose widths are bucket points,
+    except where the table holds a measured sweep (there the winner rules: see the lookup tests)."""
     pytest.importorskip("cuda.tile")
     got = run_grid(env_value)
     assert got["table"] == (env_value is None)
+    swept = set() if env_value == "off" else swept_dtypes(shipped()["sm90_132sm"])
+    checked = 0
     for (dt, m, n), (f, b) in expected_grid().items():
-        assert got["configs"][f"{dt} {m} {n}"] == as_json([f, b]), (dt, m, n)
+        if dt not in swept:
+            assert got["configs"][f"{dt} {m} {n}"] == as_json([f, b]), (dt, m, n)
+            checked += 1
+    assert checked >= len(expected_grid()) // 3
+
+
+def swept_dtypes(doc) -> set[str]:
+    """The dtypes of a table with a measured run (a winner that may differ from the heuristics)."""
+    return {
+        dt
+        for op in tuning.OPS
+        for dt, by_n in doc[op].items()
+        for runs in by_n.values()
+        if any("gbps" in r for r in runs)
+    }
+
+
+def test_overlay_keeps_the_heuristics_switches_and_applies_measured_winners():
+    """A sweep at M buckets 4096 and 32768 laid over the analytic table: below 4096 and wherever the
+    heuristics change their choice between measured buckets the analytic choice stays; elsewhere the
+    measured winner holds, including above the last measured bucket."""
+    sms, n, dtype = 132, 4096, torch.bfloat16
+    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), sms, "test")
+    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), sms, "measured", "sweep")
+    fancy = {m: asdict(config.forward_candidate(m, n, dtype, sms, "persistent")) for m in (4096, 32768)}
+    fancy = {m: {**c, "blocks_per_sm": c["blocks_per_sm"] * 2} for m, c in fancy.items()}
+    tuning.set_runs(sweep, "forward", "bf16", n, [{"m": m, "winner": c, "gbps": {"x": 1.0}} for m, c in fancy.items()])
+    table = tuning.load(tuning.overlay(base, sweep))
+    analytic = {m: asdict(config.forward_candidate(m, n, dtype, sms)) for m in tuning.M_BUCKETS}
+    for m in tuning.M_BUCKETS:
+        got = asdict(table.lookup("forward", m, n, dtype))
+        ref = max([b for b in (4096, 32768) if b <= m], default=None)
+        if ref is None or analytic[m] != analytic[ref]:
+            assert got == analytic[m], m
+        else:
+            assert got == fancy[ref], m
+    # the heuristics switch to the gather kernel at 16384 rows here, so 16384 must stay analytic
+    assert analytic[16384] != analytic[4096] and asdict(table.lookup("forward", 16384, n, dtype)) == analytic[16384]
+    assert asdict(table.lookup("forward", 1 << 22, n, dtype)) == fancy[32768]
+    assert table.lookup("forward", 4096, 1024, dtype) == config.forward_candidate(4096, 1024, dtype, sms)
 
 
 def test_an_invalid_table_in_the_environment_fails_with_its_path(tmp_path):

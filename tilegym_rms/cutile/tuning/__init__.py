@@ -406,6 +406,43 @@ def merge(base: dict, new: dict) -> dict:
     return out
 
 
+def _winner_at(runs: list[dict], m_b: int) -> dict:
+    """The winner a run list gives M bucket ``m_b`` (the floor rule of :meth:`Table.lookup`)."""
+    return next((r["winner"] for r in reversed(runs) if r["m"] <= m_b), runs[0]["winner"])
+
+
+def overlay(analytic: dict, sweep: dict) -> dict:
+    """A sparse sweep (a few M buckets) laid over the analytic table, M bucket by M bucket: a measured
+    winner stands for the buckets above its own only while the analytic choice there stays the one it
+    was measured against (so M buckets where the heuristics switch kernel, e.g. to the gather forward at
+    many rows, keep their switch), and buckets below the first measured one stay analytic. A measured
+    (op, dtype, N) without an analytic entry is taken as it is."""
+    out = merge(analytic, {**sweep, "forward": {}, "backward": {}})
+    for op in OPS:
+        for dt, by_n in sweep.get(op, {}).items():
+            for key, measured_runs in by_n.items():
+                base = out[op].get(dt, {}).get(key)
+                if not base:
+                    set_runs(out, op, dt, int(key), measured_runs)
+                    continue
+                points = {r["m"]: r for r in measured_runs}
+                runs: list[dict] = []
+                for m_b in M_BUCKETS:
+                    below = [r for r in measured_runs if r["m"] <= m_b]
+                    ref = below[-1] if below else None
+                    if ref is not None and _winner_at(base, m_b) == _winner_at(base, ref["m"]):
+                        winner = ref["winner"]
+                    else:
+                        winner = _winner_at(base, m_b)
+                    if m_b in points:
+                        runs.append(points[m_b])  # kept whole: its timings document the choice
+                    elif not runs or runs[-1]["winner"] != winner:
+                        runs.append({"m": m_b, "winner": winner})
+                set_runs(out, op, dt, int(key), runs)
+    out["source"] = "mixed"
+    return out
+
+
 def source_of(doc: dict) -> str:
     kinds = {measured(runs) for op in OPS for by_n in doc.get(op, {}).values() for runs in by_n.values()}
     return "mixed" if len(kinds) > 1 else ("measured" if kinds == {True} else "analytic")
