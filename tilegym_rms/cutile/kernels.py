@@ -457,7 +457,9 @@ def _qk_bwd_tile(dy, x, wt, rstd, dx, dw_acc, t, TILE_M, TILE_N, HAS_W):
     xhat = _load_head_rows(x, g, h, TILE_M, TILE_N) * r
     dyf = _load_head_rows(dy, g, h, TILE_M, TILE_N)
     gw = dyf * wt
-    _store_head_rows(dx, g, h, _dx(gw, xhat, _row_dot(xhat, gw) / x.shape[2], r, dx.dtype), TILE_M, TILE_N)
+    c = _row_dot(xhat, gw) / x.shape[2]
+    # No residual gradient to add: dx stands in for dres, which HAS_DRES=False never reads.
+    _store_head_rows(dx, g, h, _dx(gw, xhat, c, r, dx, (0, 0), (TILE_M, TILE_N), False, dx.dtype), TILE_M, TILE_N)
     if HAS_W:
         return dw_acc + _dw_rows(dyf, xhat)
     return dw_acc
