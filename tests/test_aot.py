@@ -52,3 +52,37 @@ def test_qk_variants_compile(arch):
     failures = aot.run((arch,), jobs=4, out=out, only=only)
     assert failures == 0, out.getvalue()
     assert f"{len(only)} compiled, 0 failed" in out.getvalue()
+
+
+def _measured_points():
+    """(m, n, dtype) at every measured run of the shipped tables: where a sweep may have picked a variant
+    the heuristics never launch."""
+    from tilegym_rms.cutile import tuning
+
+    for key in tuning.packaged_keys():
+        doc = tuning.packaged(key).doc
+        for dt, by_n in doc["forward"].items():
+            for n_b, runs in by_n.items():
+                for run in runs:
+                    if "gbps" in run:
+                        yield key, doc["device"]["sms"], run["m"], int(n_b), tuning.DTYPES[dt]
+
+
+def test_the_hosts_launches_under_the_shipped_tables_are_compiled(monkeypatch):
+    """The forward the host launches (kernel, constants, hints) at each measured table point, read from the
+    host path itself, is one of the variants the compile check builds."""
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile import launch, tuning
+
+    compiled = {(v.kernel_name, v.params[-len(v.params) + 8 :], v.hints) for v in aot.variants()}
+    points = list(_measured_points())
+    assert points, "the shipped tables hold no measured point"
+    for key, sms, m, n, dtype in points:
+        monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
+        monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
+        cutile.clear_caches()
+        with tuning.use_table("packaged"):
+            plan = cutile._forward_launch(0, m, n, dtype, None, "llama", True, True, cutile._ADD_NONE)
+        name = "rms_norm_fwd_gather" if plan.kernel is kernels.rms_norm_fwd_gather else "rms_norm_fwd_persistent"
+        assert (name, plan.constants, plan.hints) in compiled, (key, m, n, dtype, plan)
+    cutile.clear_caches()

@@ -96,14 +96,16 @@ def variants_for(
     num_sms: int = REFERENCE_SMS,
     kernels=(None, *config.FORWARD_KERNELS),
     every_path: bool = True,
+    table=None,
 ) -> list[Variant]:
     """The kernel variants the dispatcher launches for an ``(m, n)`` input of ``dtype`` (forward in each of
     ``kernels``, backward and the dw reduction): with ``every_path``, every casting mode, the no-weight and
-    the no-rstd variants on bf16; otherwise only a training call's (llama casting, weight, rstd stored)."""
+    the no-rstd variants on bf16; otherwise only a training call's (llama casting, weight, rstd stored).
+    ``table``: a tuning table whose winners the configs follow (None: the analytic heuristics)."""
     found, add = _collector()
     for kernel in kernels:
         try:
-            f = config.forward_config(m, n, dtype, num_sms, kernel)
+            f = config.forward_config(m, n, dtype, num_sms, kernel, table)
         except ValueError:
             continue  # kernel not available for this N
         # Casting modes and the no-weight variant on fp32 weights; weight dtype = x dtype.
@@ -117,7 +119,7 @@ def variants_for(
                 rstd = _arr(_F32, 1) if store else x2
                 name, args = _forward_variant(f, x2, w1, rstd, x2, x2, cast, has_w, store, 0)
                 add(name, *args, hints=f.hints)
-    b = config.backward_config(m, n, dtype, num_sms)
+    b = config.backward_config(m, n, dtype, num_sms, table)
     for has_w in (True, False) if every_path else (True,):
         _backward_variants(b, dtype, has_w, False, add)
     if b.plan != "direct":
@@ -172,6 +174,7 @@ def variants() -> list[Variant]:
         for n in FUSED_ADD_N:
             for m in REPRESENTATIVE_M:
                 found.update(dict.fromkeys(fused_add_variants_for(m, n, dtype, residual_dtype)))
+    found.update(dict.fromkeys(table_variants()))
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
     tile_n = config.HEURISTICS.reduce_min_tile_n
     while tile_n <= config.HEURISTICS.reduce_max_tile_n:
@@ -180,6 +183,26 @@ def variants() -> list[Variant]:
         for dtype in DTYPES:
             found.setdefault(Variant("rms_norm_dw_reduce", (_arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)))
         tile_n *= 2
+    return list(found)
+
+
+def table_variants() -> list[Variant]:
+    """The variants the shipped tuning tables' measured winners launch (bench/tune_table.py may pick tiles,
+    hints and kernels the heuristics never do; analytic entries are the heuristics', covered above): a
+    training call's variants at each measured run. A winner's constants do not depend on N within its
+    bucket, so the bucket's own width stands for every N in it."""
+    from .cutile import tuning
+
+    found: dict[Variant, None] = {}
+    for key in tuning.packaged_keys():
+        table = tuning.packaged(key)
+        sms = table.doc["device"]["sms"]
+        for op in tuning.OPS:
+            for dt, by_n in table.doc[op].items():
+                for n_b, runs in by_n.items():
+                    for run in (r for r in runs if "gbps" in r):
+                        args = (run["m"], int(n_b), tuning.DTYPES[dt], sms, (None,), False, table)
+                        found.update(dict.fromkeys(variants_for(*args)))
     return list(found)
 
 
