@@ -91,7 +91,8 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
 
 providers: tilegym_rms-cutile, tilegym_rms-triton (those available_backends() says can run), torch
 (eager F.rms_norm), torch.compile (Llama-style fp32 RMSNorm, dynamic=False), liger (LigerRMSNormFunction,
-casting 'llama', in_place False), tilegym (tilegym.ops.cutile.rms_norm); tilegym_rms-torch on request.
+casting 'llama', in_place False), tilegym (tilegym.ops.cutile.rms_norm); tilegym_rms-torch and quack
+(quack.rmsnorm.rmsnorm(x, w, eps=eps)) on request.
 fused_add providers: tilegym_rms-cutile, tilegym_rms-triton (tilegym_rms.fused_add_rms_norm, mode "pre"),
 tilegym_rms-unfused (x + r, then tilegym_rms.rms_norm), torch (eager x + r, F.rms_norm), torch.compile (of
 that function), liger (LigerFusedAddRMSNormFunction), quack (quack.rmsnorm.rmsnorm, residual=r,

@@ -264,3 +264,28 @@ def test_qk_norm_check_sees_a_wrong_k():
     assert providers.check_ok(providers.output_errors("qk_fwd", sets, 1e-6, good), "fp32")
     bad = good | {"y_k": good["y_k"] * 1.01}
     assert not providers.check_ok(providers.output_errors("qk_fwd", sets, 1e-6, bad), "fp32")
+
+
+def test_quack_is_a_plain_rmsnorm_provider(monkeypatch):
+    """quack runs the plain RMSNorm measures through quack.rmsnorm.rmsnorm(x, w, eps=...), where it imports."""
+    import types
+
+    seen = {}
+
+    def fake_rmsnorm(x, w, eps):
+        seen["eps"] = eps
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
+
+    pkg, mod = types.ModuleType("quack"), types.ModuleType("quack.rmsnorm")
+    mod.rmsnorm, pkg.rmsnorm = fake_rmsnorm, mod
+    monkeypatch.setitem(sys.modules, "quack", pkg)
+    monkeypatch.setitem(sys.modules, "quack.rmsnorm", mod)
+    found, skipped = providers.discover_providers(["quack"], torch.device("cpu"), 1e-5)
+    assert [p.name for p in found] == ["quack"] and not skipped
+    x, w = torch.randn(4, 32), torch.rand(32) + 0.5
+    torch.testing.assert_close(found[0].forward(x, w), torch.nn.functional.rms_norm(x, (32,), w, 1e-5))
+    assert seen["eps"] == 1e-5
+    monkeypatch.setitem(sys.modules, "quack", None)  # not importable: skipped with the import error
+    monkeypatch.setitem(sys.modules, "quack.rmsnorm", None)
+    found, skipped = providers.discover_providers(["quack"], torch.device("cpu"), 1e-5)
+    assert not found and "ModuleNotFoundError" in skipped["quack"]
