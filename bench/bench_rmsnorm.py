@@ -19,9 +19,13 @@ except ImportError:  # run as a script: bench/ is on sys.path
 
 KERNEL_NAME = "rms_norm"
 JSON_NAME = "rms_norm.json"
-MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add", "qk_norm")
+MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add", "qk_norm", "heldout")
 GRID_MEASURES = ("forward", "backward", "full")
 QUICK_DEFAULT_MEASURES = GRID_MEASURES
+# Issue #14's held-out shapes (bench/heldout.json, each with its own dtype): the grid measures' ops, in a file
+# of their own (the issue asks for bench/results/<gpu>/heldout*.json).
+HELDOUT_JSON_NAME = "heldout.json"
+SUITE_JSON = {"heldout": HELDOUT_JSON_NAME}
 
 LATENCY_M = (1, 8, 64, 512)
 LATENCY_N = 4096
@@ -86,12 +90,17 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              qk_bwd  the forward graph is built OUTSIDE the timed region; the timed call is
                      torch.autograd.grad((yq, yk), (q, k, wq, wk), (dyq, dyk), retain_graph=True);
                      traffic = the backward of q and of k (read x, dy, w, rstd; write dx, dw).
+  heldout    issue #14's held-out shapes: forward, backward and full (as above) on exactly the (M, N, dtype)
+             shapes of bench/heldout.json, which no tuning run may use (--dtype/--M/--N do not apply);
+             default providers add quack. Written to <out>/heldout.json, not rms_norm.json;
+             bench/heldout_report.py reads it against issue #14's targets.
   An explicit --dtype also applies to latency, ascend-rs, large, fused_add and qk_norm; --M/--N only to the
   grid measures, fused_add and qk_norm.
 
 providers: tilegym_rms-cutile, tilegym_rms-triton (those available_backends() says can run), torch
 (eager F.rms_norm), torch.compile (Llama-style fp32 RMSNorm, dynamic=False), liger (LigerRMSNormFunction,
-casting 'llama', in_place False), tilegym (tilegym.ops.cutile.rms_norm); tilegym_rms-torch on request.
+casting 'llama', in_place False), tilegym (tilegym.ops.cutile.rms_norm); tilegym_rms-torch on request; quack
+(quack.rmsnorm.rmsnorm(x, w, eps=eps)) by default with heldout, else on request.
 fused_add providers: tilegym_rms-cutile, tilegym_rms-triton (tilegym_rms.fused_add_rms_norm, mode "pre"),
 tilegym_rms-unfused (x + r, then tilegym_rms.rms_norm), torch (eager x + r, F.rms_norm), torch.compile (of
 that function), liger (LigerFusedAddRMSNormFunction), quack (quack.rmsnorm.rmsnorm, residual=r,
@@ -108,8 +117,8 @@ device-to-device copy measured in the same run. The first call of each provider 
 against float64 math (rel. error limit 1e-2 bf16/fp16, 1e-4 fp32); failures are marked '!'.
 
 output: tables on stdout, a progress line per configuration on stderr, Liger-format JSON merged into
-<out>/rms_norm.json (re-runs replace matching points, so the grid can be split across runs) and one PNG
-per measure, <out>/rms_norm_<measure>.png.
+<out>/rms_norm.json (heldout: <out>/heldout.json; re-runs replace matching points, so the grid can be split
+across runs) and one PNG per measure, <out>/rms_norm_<measure>.png.
 
 examples:
   python bench/bench_rmsnorm.py --quick
@@ -118,6 +127,7 @@ examples:
   python bench/bench_rmsnorm.py --measure full --dtype bf16 --M 32768 --providers tilegym_rms-cutile,liger
   python bench/bench_rmsnorm.py --measure fused_add
   python bench/bench_rmsnorm.py --measure qk_norm
+  python bench/bench_rmsnorm.py --measure heldout && python bench/heldout_report.py
 exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 """
 
@@ -144,6 +154,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, str, list[tuple[str, 
         if measure in GRID_MEASURES:
             out.append((measure, measure, "grid", grid_configs(args.dtype, args.M, args.N)))
             continue
+        if measure == "heldout":
+            out += [(measure, op, measure, base.heldout_configs()) for op in GRID_MEASURES]
+            continue
         if measure in OWN_GRIDS:
             dtype, ms, ns, quick_ms, quick_ns, ops = OWN_GRIDS[measure]
             dtypes = args.dtype if args.explicit_dtype else [dtype]
@@ -164,7 +177,7 @@ def plot_stem(op: str, suite: str) -> str:
 
 
 def label_for(suite: str):
-    if suite == "ascend-rs":
+    if suite in ("ascend-rs", "heldout"):  # shapes with nothing in common: each its own x
 
         def label(dtype_name: str, m: int, n: int):
             return "shape", "M x N", f"{m}x{n}", {"dtype": dtype_name, "suite": suite}
@@ -198,6 +211,7 @@ TITLES = {
     "large": "RMSNorm large hidden sizes",
     "fused_add": "Residual add + RMSNorm (mode pre)",
     "qk_norm": "QK-norm (q and k per head)",
+    "heldout": "RMSNorm held-out shapes (issue #14)",
 }
 OP_TITLES = {
     "fused_add_fwd": "forward",
@@ -217,7 +231,8 @@ def split_providers(args: argparse.Namespace) -> None:
         args.fused_providers = list(args.providers) if fused else []
         args.qk_providers = list(args.providers) if qk else []
     else:
-        args.rms_providers = list(base.PROVIDERS_DEFAULT) if rms else []
+        rms_default = base.HELDOUT_PROVIDERS_DEFAULT if "heldout" in rms else base.PROVIDERS_DEFAULT
+        args.rms_providers = list(rms_default) if rms else []
         args.fused_providers = list(base.FUSED_ADD_PROVIDERS_DEFAULT) if fused else []
         args.qk_providers = list(base.QK_PROVIDERS_DEFAULT) if qk else []
         args.providers = list(dict.fromkeys(args.rms_providers + args.fused_providers + args.qk_providers))
@@ -233,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     split_providers(args)
     steps = plan(args)
     dry_run_plan = [(op, suite, configs) for _, op, suite, configs in steps]
-    session = start_session(args, dry_run_plan, KERNEL_NAME, JSON_NAME)
+    session = start_session(args, dry_run_plan, KERNEL_NAME, JSON_NAME, SUITE_JSON)
     if isinstance(session, int):
         return session
     done_measures: list[str] = []

@@ -28,6 +28,7 @@ RESULTS_DIR = base.BENCH_DIR / "results"
 RESULTS_MD = base.BENCH_DIR / "RESULTS.md"
 # The script that writes each results file: its plots are named by the script's plot_stem(op, suite).
 SCRIPTS = {script.JSON_NAME: script for script in (bench_rmsnorm, bench_rmsnorm_backward)}
+SCRIPTS |= {name: bench_rmsnorm for name in bench_rmsnorm.SUITE_JSON.values()}
 
 CUTILE = "tilegym_rms-cutile"
 NAMES = {
@@ -44,7 +45,13 @@ OPS = {
     "standalone": "Standalone backward",
     "autograd": "Backward (autograd.grad only)",
 }
-SUITES = {"grid": "", "large": "large hidden sizes", "ascend-rs": "ascend-rs suite", "latency": "eager latency"}
+SUITES = {
+    "grid": "",
+    "heldout": "held-out shapes (issue #14)",
+    "large": "large hidden sizes",
+    "ascend-rs": "ascend-rs suite",
+    "latency": "eager latency",
+}
 DTYPE_ORDER = ("bf16", "fp16", "fp32")
 KINDS = ("throughput", "latency", "workspace")
 MISSING = "–"

@@ -107,6 +107,10 @@ def discover_providers(
                 found.append(
                     Provider(name, lambda x, w, f=LigerRMSNormFunction: f.apply(x, w, eps, 0.0, "llama", False))
                 )
+            elif name == "quack":
+                from quack.rmsnorm import rmsnorm
+
+                found.append(Provider(name, lambda x, w, f=rmsnorm: f(x, w, eps=eps)))
             elif name == "tilegym":
                 # by module path: the package attribute tilegym.ops.cutile.rms_norm is the function, not the module
                 tg = importlib.import_module("tilegym.ops.cutile.rms_norm")

@@ -39,10 +39,13 @@ def gpu_slug(name: str) -> str:
 class Session:
     """Everything one script run shares: device, timer, copy bandwidth, providers, collected points."""
 
-    def __init__(self, args: argparse.Namespace, kernel_name: str, json_name: str):
+    def __init__(
+        self, args: argparse.Namespace, kernel_name: str, json_name: str, suite_json: dict[str, str] | None = None
+    ):
         self.args = args
         self.kernel_name = kernel_name
         self.json_name = json_name
+        self.suite_json = dict(suite_json or {})  # suites whose points go to a file of their own
         self.cpu_mode = os.environ.get(base.CPU_ENV) == "1"
         self.device = torch.device("cuda", torch.cuda.current_device()) if not self.cpu_mode else torch.device("cpu")
         self.gpu_name = torch.cuda.get_device_name(self.device) if not self.cpu_mode else "cpu-test"
@@ -324,20 +327,31 @@ class Session:
             print(f"   note: input rotation capped at {base.MAX_SETS} sets (data partly L2-resident) for {capped}")
         sys.stdout.flush()
 
-    def json_path(self) -> Path:
-        return self.out_dir / self.json_name
+    def json_path(self, suite: str | None = None) -> Path:
+        """The JSON file of ``suite``'s points: its own where ``suite_json`` names one, else the script's."""
+        return self.out_dir / self.suite_json.get(suite, self.json_name)
+
+    def json_paths(self) -> list[Path]:
+        """The files this run's points go to (the script's file before any point)."""
+        return list(dict.fromkeys(self.json_path(p.suite) for p in self.points)) or [self.json_path()]
 
     def save(self) -> list[dict]:
-        """Merge this run's points into the JSON file (called after every configuration)."""
-        try:
-            return records.write_json(self.json_path(), records.build_records(self.points, self.meta()))
-        except OSError as exc:
-            base.log(f"warning: could not write {self.json_path()}: {exc}")
-            return []
+        """Merge this run's points into their JSON files (called after every configuration); returns the merged
+        records of every file written."""
+        merged: list[dict] = []
+        for path in self.json_paths():
+            points = [p for p in self.points if self.json_path(p.suite) == path]
+            try:
+                merged += records.write_json(path, records.build_records(points, self.meta()))
+            except OSError as exc:
+                base.log(f"warning: could not write {path}: {exc}")
+        return merged
 
     def finish(self) -> int:
         """The closing lines of a run; returns the script's exit code (1: a fatal CUDA error cut it short)."""
-        print(f"\nJSON: {self.json_path()}")
+        print()
+        for path in self.json_paths():
+            print(f"JSON: {path}")
         if self.aborted:
             print("ABORTED: a fatal CUDA error stopped the run; results so far are saved", file=sys.stderr)
             return 1
@@ -368,16 +382,17 @@ def grid_label(suite: str) -> Callable[[str, int, int], tuple[str, str, object, 
     return label
 
 
-def start_session(args, dry_run_plan, kernel_name: str, json_name: str):
+def start_session(args, dry_run_plan, kernel_name: str, json_name: str, suite_json: dict[str, str] | None = None):
     """What both scripts do before measuring: the dry run, the GPU check, provider discovery.
-    Returns a started :class:`Session`, or the exit code to return."""
+    Returns a started :class:`Session` (``suite_json``: suites written to a file of their own), or the exit
+    code to return."""
     if args.dry_run:
         print_dry_run(dry_run_plan, args)
         return 0
     code = check_environment()
     if code is not None:
         return code
-    session = Session(args, kernel_name, json_name)
+    session = Session(args, kernel_name, json_name, suite_json)
     session.start()
     if not session.providers and not session.fused_providers and not session.qk_providers:
         print("no provider can run; nothing to do", file=sys.stderr)

@@ -264,3 +264,94 @@ def test_qk_norm_check_sees_a_wrong_k():
     assert providers.check_ok(providers.output_errors("qk_fwd", sets, 1e-6, good), "fp32")
     bad = good | {"y_k": good["y_k"] * 1.01}
     assert not providers.check_ok(providers.output_errors("qk_fwd", sets, 1e-6, bad), "fp32")
+
+
+def test_quack_is_a_plain_rmsnorm_provider(monkeypatch):
+    """quack runs the plain RMSNorm measures through quack.rmsnorm.rmsnorm(x, w, eps=...), where it imports."""
+    import types
+
+    seen = {}
+
+    def fake_rmsnorm(x, w, eps):
+        seen["eps"] = eps
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
+
+    pkg, mod = types.ModuleType("quack"), types.ModuleType("quack.rmsnorm")
+    mod.rmsnorm, pkg.rmsnorm = fake_rmsnorm, mod
+    monkeypatch.setitem(sys.modules, "quack", pkg)
+    monkeypatch.setitem(sys.modules, "quack.rmsnorm", mod)
+    found, skipped = providers.discover_providers(["quack"], torch.device("cpu"), 1e-5)
+    assert [p.name for p in found] == ["quack"] and not skipped
+    x, w = torch.randn(4, 32), torch.rand(32) + 0.5
+    torch.testing.assert_close(found[0].forward(x, w), torch.nn.functional.rms_norm(x, (32,), w, 1e-5))
+    assert seen["eps"] == 1e-5
+    monkeypatch.setitem(sys.modules, "quack", None)  # not importable: skipped with the import error
+    monkeypatch.setitem(sys.modules, "quack.rmsnorm", None)
+    found, skipped = providers.discover_providers(["quack"], torch.device("cpu"), 1e-5)
+    assert not found and "ModuleNotFoundError" in skipped["quack"]
+
+
+def _heldout_plan(argv):
+    import bench_rmsnorm
+
+    args = cli_args.finish_args(bench_rmsnorm.build_parser().parse_args(argv))
+    bench_rmsnorm.split_providers(args)
+    return args, bench_rmsnorm.plan(args)
+
+
+def test_heldout_measure_plans_exactly_the_heldout_shapes(capsys):
+    """forward, backward and full on each shape of bench/heldout.json with its own dtype (--dtype/--M/--N do
+    not reach it), beside quack; every input rotation streams from HBM (> 4x L2) without being capped."""
+    shapes = json.loads((Path(__file__).resolve().parent / "heldout.json").read_text())["shapes"]
+    expected = [(s["dtype"], s["m"], s["n"]) for s in shapes]
+    for extra in ([], ["--dtype", "fp32", "--M", "64", "--N", "128"], ["--quick"]):
+        args, steps = _heldout_plan(["--measure", "heldout", *extra])
+        assert [(measure, op, suite) for measure, op, suite, _ in steps] == [
+            ("heldout", op, "heldout") for op in ("forward", "backward", "full")
+        ]
+        assert all(configs == expected for *_, configs in steps)
+    assert "quack" in args.rms_providers and "quack" not in _heldout_plan(["--measure", "forward"])[0].rms_providers
+    for l2 in (50 * 2**20, 60 * 2**20):  # H100, H200
+        for _, op, _, configs in steps:
+            for dtype, m, n in configs:
+                one = traffic.read_bytes(op, m, n, base.DTYPES[dtype].itemsize)
+                sets, capped = traffic.rotation_sets(one, l2)
+                assert not capped and sets * one > base.L2_FACTOR * l2 and (sets - 1) * one <= base.L2_FACTOR * l2
+    import bench_rmsnorm
+
+    assert bench_rmsnorm.main(["--measure", "heldout", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 M=12345 N=12288" in out and "fp16 M=2000000 N=64" in out and "total configurations: 45" in out
+
+
+def test_heldout_measure_writes_its_own_file(tmp_path, monkeypatch, capsys):
+    """In one run with a grid measure, the held-out points go to heldout.json (each shape with its dtype) and
+    the grid's to rms_norm.json."""
+    monkeypatch.setenv(base.CPU_ENV, "1")
+    heldout = tmp_path / "shapes.json"
+    shapes = [{"m": 24, "n": 64, "dtype": "fp32"}, {"m": 40, "n": 96, "dtype": "bf16"}]
+    heldout.write_text(json.dumps({"shapes": shapes}))
+    monkeypatch.setattr(base, "HELDOUT_FILE", heldout)
+    import bench_rmsnorm
+
+    argv = ["--measure", "forward,heldout", "--M", "8", "--N", "32", "--dtype", "fp32", "--reps", "2"]
+    argv += ["--providers", "tilegym_rms-torch,torch", "--out", str(tmp_path / "out"), "--no-plot"]
+    assert bench_rmsnorm.main(argv) == 0
+    assert f"JSON: {tmp_path / 'out' / 'heldout.json'}" in capsys.readouterr().out
+
+    def throughput(name):
+        recs = json.loads((tmp_path / "out" / name).read_text())
+        return [r for r in recs if r["metric_name"] == "throughput"]
+
+    held, grid = throughput("heldout.json"), throughput("rms_norm.json")
+    assert {json.loads(r["extra_benchmark_config_str"])["suite"] for r in held} == {"heldout"}
+    assert {json.loads(r["extra_benchmark_config_str"])["suite"] for r in grid} == {"grid"}
+    measured = {
+        (r["kernel_operation_mode"], json.loads(r["extra_benchmark_config_str"])["dtype"], x)
+        for r in held
+        for x in r["x_values"]
+    }
+    ops = ("forward", "backward", "full")
+    assert measured == {(op, s["dtype"], f"{s['m']}x{s['n']}") for op in ops for s in shapes}
+    assert {r["kernel_provider"] for r in held} == {"tilegym_rms-torch", "torch"}
+    assert all(not r["mismatch_x_values"] for r in held)

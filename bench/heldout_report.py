@@ -1,0 +1,228 @@
+"""Issue #14's targets on the held-out shapes (and, with ``--grid``, on the grid): ours against the best peer.
+
+    python bench/heldout_report.py                         # bench/results/h100/heldout.json
+    python bench/heldout_report.py --grid                  # plus the rms_norm.json beside it
+    python bench/heldout_report.py PATH --grid OTHER.json --markdown   # a table for bench/NOTES.md
+
+Per shape and op: ours (tilegym_rms-cutile) in GB/s with its share of the copy bandwidth measured in the same
+run, the best peer (every provider that is not one of tilegym_rms's: torch, torch.compile, Liger, TileGym,
+quack), their ratio, and each target of issue #14: where M*N >= 2^22, forward >= 0.98x and backward >= 1.0x the
+best peer; where M*N >= 2^25, >= 92% of the copy bandwidth (forward and backward; full is shown, not judged).
+A target is "n/a" below its size or for an op it does not name, "no data" where ours or every peer is absent;
+a failed float64 check of ours ('!') misses it. Expected peers that are absent are listed. A report, not a
+gate: the exit code is 0 whatever the numbers say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:  # imported as part of the bench package / namespace
+    from . import base, bench_rmsnorm, make_results, report
+except ImportError:  # run as a script: bench/ is on sys.path
+    import base
+    import bench_rmsnorm
+    import make_results
+    import report
+
+OURS = "tilegym_rms-cutile"
+EXPECTED_PEERS = ("torch", "torch.compile", "liger", "tilegym", "quack")
+OPS = bench_rmsnorm.GRID_MEASURES
+SUITES = ("heldout", "grid")
+PEER_TARGET = {"forward": 0.98, "backward": 1.0}  # ours / best peer, where M*N >= PEER_MIN_ELEMS
+PEER_MIN_ELEMS = 1 << 22
+COPY_TARGET = 0.92  # ours / copy bandwidth, for the ops of PEER_TARGET, where M*N >= COPY_MIN_ELEMS
+COPY_MIN_ELEMS = 1 << 25
+MET, MISSED, NA, NO_DATA = "met", "MISSED", "n/a", "no data"
+DEFAULT_RESULTS = base.BENCH_DIR / "results" / "h100" / bench_rmsnorm.HELDOUT_JSON_NAME
+
+
+@dataclass
+class Value:
+    gbps: float
+    copy_bw: float | None
+    ok: bool  # the float64 check of this point passed
+
+
+@dataclass
+class Row:
+    """One shape and op: ours, the best peer and the verdict on each target."""
+
+    suite: str
+    dtype: str
+    m: int
+    n: int
+    op: str
+    ours: Value | None
+    best_peer: str | None
+    best: Value | None
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float | None:
+        return self.ours.gbps / self.best.gbps if self.ours and self.best else None
+
+    @property
+    def copy_share(self) -> float | None:
+        return self.ours.gbps / self.ours.copy_bw if self.ours and self.ours.copy_bw else None
+
+    def _verdict(self, target: float | None, min_elems: int, value: float | None) -> str:
+        if target is None or self.m * self.n < min_elems:
+            return NA
+        if value is None:
+            return NO_DATA
+        return MET if self.ours.ok and value >= target else MISSED
+
+    @property
+    def peer_verdict(self) -> str:
+        return self._verdict(PEER_TARGET.get(self.op), PEER_MIN_ELEMS, self.ratio)
+
+    @property
+    def copy_verdict(self) -> str:
+        target = COPY_TARGET if self.op in PEER_TARGET else None
+        return self._verdict(target, COPY_MIN_ELEMS, self.copy_share)
+
+
+def measurements(recs: list[dict]) -> dict[tuple, dict[str, Value]]:
+    """(suite, dtype, M, N, op) -> provider -> its median GB/s, over the throughput records of the RMSNorm
+    forward, backward and full of the held-out and grid suites (other suites and metrics are left out)."""
+    out: dict[tuple, dict[str, Value]] = {}
+    for rec in recs:
+        cfg = json.loads(rec["extra_benchmark_config_str"])
+        if (
+            rec["kernel_name"] != bench_rmsnorm.KERNEL_NAME
+            or rec["metric_name"] != "throughput"
+            or rec["kernel_operation_mode"] not in OPS
+            or cfg.get("suite") not in SUITES
+        ):
+            continue
+        bad = {json.dumps(x) for x in rec.get("mismatch_x_values", [])}
+        for x, y in zip(rec["x_values"], rec["y_values_50"], strict=True):
+            m, n = make_results.shape_of(rec, x)
+            key = (cfg["suite"], cfg["dtype"], m, n, rec["kernel_operation_mode"])
+            ok = json.dumps(x) not in bad
+            out.setdefault(key, {})[rec["kernel_provider"]] = Value(y, rec.get("copy_bandwidth_GBps"), ok)
+    return out
+
+
+def report_rows(recs: list[dict]) -> list[Row]:
+    """One row per shape and op of ``recs``: by suite, then size, dtype and op."""
+    rows = []
+    for (suite, dtype, m, n, op), by in measurements(recs).items():
+        peers = {p: v for p, v in by.items() if not p.startswith("tilegym_rms-")}
+        best_peer = max(peers, key=lambda p: peers[p].gbps, default=None)
+        missing = [p for p in EXPECTED_PEERS if p not in peers]
+        rows.append(Row(suite, dtype, m, n, op, by.get(OURS), best_peer, peers.get(best_peer), missing))
+
+    def order(r: Row) -> tuple:
+        return (SUITES.index(r.suite), r.m * r.n, r.m, r.n, r.dtype, OPS.index(r.op))
+
+    return sorted(rows, key=order)
+
+
+def _gbps(v: Value | None, with_copy: bool = True) -> str:
+    if v is None:
+        return make_results.MISSING
+    text = f"{v.gbps:.0f}"
+    if with_copy and v.copy_bw:
+        text += f" ({100 * v.gbps / v.copy_bw:.1f}%)"
+    return text + ("" if v.ok else "!")
+
+
+def cells(r: Row) -> list[str]:
+    peer = f"{r.best_peer} {_gbps(r.best, with_copy=False)}" if r.best else make_results.MISSING
+    target = PEER_TARGET.get(r.op)
+    return [
+        f"{r.m} × {r.n}",
+        r.dtype,
+        r.suite,
+        f"2^{math.log2(r.m * r.n):.1f}",
+        r.op,
+        _gbps(r.ours),
+        peer,
+        f"{r.ratio:.3f}×" if r.ratio is not None else make_results.MISSING,
+        f"≥ {target}×: {r.peer_verdict}" if r.peer_verdict != NA else NA,
+        f"≥ {100 * COPY_TARGET:.0f}%: {r.copy_verdict}" if r.copy_verdict != NA else NA,
+        ", ".join(r.missing) or "",
+    ]
+
+
+HEADERS = ["M × N", "dtype", "suite", "M·N", "op", "ours GB/s (% copy)", "best peer GB/s", "ours / peer"]
+HEADERS += ["vs best peer", "vs copy", "peers absent"]
+
+
+def summary(rows: list[Row]) -> list[str]:
+    """One line per target: how many shapes it was judged on, met, missed (named) and without data."""
+    lines = []
+    targets = [(f"{op} ≥ {t}× the best peer (M·N ≥ 2^22)", op, "peer_verdict") for op, t in PEER_TARGET.items()]
+    targets += [(f"{op} ≥ {100 * COPY_TARGET:.0f}% of copy (M·N ≥ 2^25)", op, "copy_verdict") for op in PEER_TARGET]
+    for title, op, attr in targets:
+        judged = [r for r in rows if r.op == op and getattr(r, attr) != NA]
+        met = sum(getattr(r, attr) == MET for r in judged)
+        missed = [r for r in judged if getattr(r, attr) == MISSED]
+        no_data = sum(getattr(r, attr) == NO_DATA for r in judged)
+        line = f"{title}: met at {met} of {len(judged)} shapes"
+        if missed:
+            line += "; missed at " + ", ".join(f"{r.m} × {r.n} {r.dtype}" for r in missed)
+        if no_data:
+            line += f"; no data at {no_data}"
+        lines.append(line)
+    absent = sorted({p for r in rows for p in r.missing}, key=EXPECTED_PEERS.index)
+    if absent:
+        lines.append(f"peers absent from some rows: {', '.join(absent)} (the best peer is the best of those present)")
+    return lines
+
+
+def render(rows: list[Row], markdown: bool = False) -> str:
+    if not rows:
+        return "no held-out or grid forward/backward/full throughput records"
+    body = [cells(r) for r in rows]
+    if markdown:
+        table = make_results.markdown_table(HEADERS, body)
+        return table + "\n\n" + "\n".join(f"- {line}" for line in summary(rows))
+    return report.format_table(HEADERS, body, left=5) + "\n\n" + "\n".join(summary(rows))
+
+
+def load(paths: list[Path]) -> list[dict]:
+    """The records of every readable file of ``paths``; each unreadable one is said on stderr and skipped."""
+    recs = []
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            print(f"{path}: not read ({exc}); bench/NOTES.md says how to run the held-out measure", file=sys.stderr)
+            continue
+        recs += data if isinstance(data, list) else []
+    return recs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="heldout_report.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "results", nargs="?", type=Path, default=DEFAULT_RESULTS, help="held-out results (default %(default)s)"
+    )
+    parser.add_argument(
+        "--grid",
+        nargs="?",
+        const="",  # --grid alone
+        default=None,
+        help="also judge the grid shapes of this results file (alone: the rms_norm.json beside RESULTS)",
+    )
+    parser.add_argument("--markdown", action="store_true", help="a Markdown table and list, for bench/NOTES.md")
+    args = parser.parse_args(argv)
+    paths = [args.results]
+    if args.grid is not None:
+        paths.append(Path(args.grid) if args.grid else args.results.parent / bench_rmsnorm.JSON_NAME)
+    print(render(report_rows(load(paths)), args.markdown))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
