@@ -261,11 +261,9 @@ def _emulated_launch(calls):
     return launch
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("weights", ["both", "q_only", "mixed_dtypes"])
-def test_cutile_host_passes_consistent_views(monkeypatch, layout, weights):
-    """Views handed to the qk kernels (transposed where H > G), the rstd between them and the dw slots:
-    with each kernel replaced by torch math on the views it receives, the result is rms_norm of each."""
+def _emulate_cutile(monkeypatch):
+    """The cuTile host with its kernels emulated (:func:`_emulated_launch`) on a 4-SM device:
+    ``(the cutile module, the list of kernels launched)``."""
     pytest.importorskip("cuda.tile")
     import types
 
@@ -277,6 +275,15 @@ def test_cutile_host_passes_consistent_views(monkeypatch, layout, weights):
     monkeypatch.setattr(cutile, "_launch", lambda: _emulated_launch(calls))
     names = ("qk_rms_norm_fwd", "qk_rms_norm_bwd", "rms_norm_dw_reduce")
     monkeypatch.setattr(cutile, "_kernels", lambda: types.SimpleNamespace(**{n: n for n in names}))
+    return cutile, calls
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("weights", ["both", "q_only", "mixed_dtypes"])
+def test_cutile_host_passes_consistent_views(monkeypatch, layout, weights):
+    """Views handed to the qk kernels (transposed where H > G), the rstd between them and the dw slots:
+    with each kernel replaced by torch math on the views it receives, the result is rms_norm of each."""
+    cutile, calls = _emulate_cutile(monkeypatch)
     q, k = _layout(layout, 16, torch.float32)
     wq = torch.randn(16)
     wk = {"both": torch.randn(16), "q_only": None, "mixed_dtypes": torch.randn(16, dtype=torch.float64)}[weights]
@@ -296,3 +303,21 @@ def test_cutile_host_passes_consistent_views(monkeypatch, layout, weights):
         assert (dw is None) == (w is None)
         if w is not None:
             assert dw.dtype == w.dtype and rel_err(dw, ref_dw) <= 1e-5
+
+
+def test_cutile_backward_op_returns_no_aliased_outputs(monkeypatch):
+    """The torch.compile path: the cuTile host reduces both weights' dw into one (2, D) buffer, whose rows
+    the custom op must not return as they are (torch refuses outputs that alias one another)."""
+    cutile, calls = _emulate_cutile(monkeypatch)
+    q, k = _layout("qkv_slice", 16, torch.float32)
+    wq, wk = torch.randn(16), torch.randn(16)
+    dyq, dyk = torch.randn(q.shape), torch.randn(k.shape)
+    try:
+        _, _, rq, rk = ops._qk_fwd_op(q, k, wq, wk, 1e-6, 0.0, "llama", "cutile", ops.WIRING)
+        dq, dk, dwq, dwk = ops._qk_bwd_op(q, k, dyq, dyk, wq, wk, rq, rk, 0.0, "llama", "cutile")
+    finally:
+        cutile.clear_caches()
+    assert calls == ["qk_rms_norm_fwd", "qk_rms_norm_bwd", "rms_norm_dw_reduce"]  # one reduction for both
+    for x, w, dy, dx, dw in ((q, wq, dyq, dq, dwq), (k, wk, dyk, dk, dwk)):
+        ref_dx, ref_dw = reference.rms_norm_backward(x, dy, w, reference.rms_norm_forward(x, w, 1e-6)[1])
+        assert rel_err(dx, ref_dx) <= 1e-6 and rel_err(dw, ref_dw) <= 1e-5

@@ -700,6 +700,10 @@ def _qk_bwd_op(
     dq, dk, dwq, dwk = _qk_backward(
         q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, casting_mode, backend
     )
+    # A custom op's outputs may not share storage (torch checks it on every call): the cuTile backend reduces
+    # both weights' dw into one (2, D) buffer and returns its rows, so one of them is copied (D elements).
+    if dwq is not None and dwk is not None and dwq.untyped_storage().data_ptr() == dwk.untyped_storage().data_ptr():
+        dwk = dwk.clone()
     # A custom op cannot return None: a missing weight's dw is an empty tensor.
     return dq, dk, (dwq if dwq is not None else q.new_empty((0,))), (dwk if dwk is not None else k.new_empty((0,)))
 
