@@ -27,6 +27,20 @@ def test_variants_cover_every_kernel():
     assert all(hasattr(kernels, n) for n in names)
 
 
+def test_arithmetic_axes_are_compiled_for_every_kernel_class():
+    """Each casting mode, the no-weight and (gather) the no-rstd forward, and the no-weight backward, appear
+    for both forward kernels and each backward plan's kernel: the axes EVERY_PATH_N keeps to a few widths."""
+    vs = aot.variants()
+    for name in ("rms_norm_fwd_gather", "rms_norm_fwd_persistent"):
+        fwd = [v for v in vs if v.kernel_name == name and v.params[-1] == 0]  # ADD = 0: the plain norm
+        cast_w = {(v.params[-5], v.params[-4]) if name.endswith("gather") else v.params[-3:-1] for v in fwd}
+        assert cast_w >= {(0, True), (1, True), (2, True), (0, False)}, name
+    gather = [v for v in vs if v.kernel_name == "rms_norm_fwd_gather" and v.params[-1] == 0]
+    assert {v.params[-2] for v in gather} == {True, False}  # STORE_RSTD
+    for name in ("rms_norm_bwd_direct", "rms_norm_bwd_persistent", "rms_norm_bwd_column_chunk"):
+        assert {v.params[-2] for v in vs if v.kernel_name == name} == {True, False}, name  # HAS_W
+
+
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_every_variant_compiles(arch):
     out = io.StringIO()

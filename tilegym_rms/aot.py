@@ -3,7 +3,8 @@
 Needs no GPU, only ``cuda-tile`` and the matched tileiras toolchain. Run it as
 ``python -m tilegym_rms.aot [--arch sm_90 ...]`` or ``tilegym-rms aot``: it prints a table and
 exits non-zero on any failure. The variants come from the same heuristics the dispatcher uses
-(:mod:`tilegym_rms.cutile.config`), over a representative set of hidden sizes.
+(:mod:`tilegym_rms.cutile.config`) and the shipped tuning tables, over a representative set of hidden
+sizes (the casting-mode, no-weight and no-rstd variants at one width per tile class, ``EVERY_PATH_N``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
 # tile (chunked kernels).
 REPRESENTATIVE_N = (64, 1000, 4096, 5120, 8192, 12288, 16384, 32768, 65536)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The casting-mode, no-weight and no-rstd axes change a kernel's arithmetic, not its tiles: they are
+# compiled at these widths only, one per tile class (a narrow single tile, a tile plus a tail tile at two
+# widths, column chunks), which keeps the check within CI's time (four archs on two cores).
+EVERY_PATH_N = (64, 5120, 12288, 65536)
 # Large and small M reach both forward kernels; SM count of an H100 (the heuristics scale with it).
 REPRESENTATIVE_M = (128, 65536)
 REFERENCE_SMS = 132
@@ -169,7 +174,7 @@ def variants() -> list[Variant]:
     for dtype in DTYPES:
         for n in REPRESENTATIVE_N:
             for m in REPRESENTATIVE_M:
-                found.update(dict.fromkeys(variants_for(m, n, dtype)))
+                found.update(dict.fromkeys(variants_for(m, n, dtype, every_path=n in EVERY_PATH_N)))
     for dtype, residual_dtype in FUSED_ADD_DTYPES:
         for n in FUSED_ADD_N:
             for m in REPRESENTATIVE_M:
