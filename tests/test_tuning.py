@@ -117,7 +117,7 @@ def swept_dtypes(doc) -> set[str]:
     return {
         dt
         for op in tuning.OPS
-        for dt, by_n in doc[op].items()
+        for dt, by_n in doc.get(op, {}).items()
         for runs in by_n.values()
         if any("gbps" in r for r in runs)
     }
@@ -171,7 +171,7 @@ def test_shipped_tables_load_and_cover_every_bucket():
     for key, doc in tables.items():
         table = tuning.packaged(key)
         assert table.key == key and doc["device"]["key"] == key
-        for op in tuning.OPS:
+        for op in tuning.ANALYTIC_OPS:
             for dt in tuning.DTYPES:
                 for n_b in tuning.N_BUCKETS:
                     runs = doc[op][dt][str(n_b)]
@@ -306,7 +306,7 @@ def test_candidates_start_with_the_heuristics_and_are_valid():
         for n_b in (64, 1024, 4224, 5120, 12288, 40960):
             for m_b in (1, 4096, 65536):
                 cands = tuning.candidates(op, m_b, n_b, BF16, SMS)
-                analytic = (config.forward_candidate if op == "forward" else config.backward_candidate)(
+                analytic = (config.forward_candidate if op in tuning.FORWARD_OPS else config.backward_candidate)(
                     m_b, n_b, BF16, SMS
                 )
                 assert cands[0] == analytic and len(set(cands)) == len(cands) and 2 <= len(cands) <= 5
@@ -350,3 +350,95 @@ def test_merge_and_write(tmp_path):
     with pytest.raises(tuning.TuningTableError):
         tuning.write(bad, tmp_path / "bad.json")
     assert not (tmp_path / "bad.json").exists()
+
+
+# --- the fused add's forward: its own entry, then the plain forward's, then the heuristics ---
+
+
+def launched(host, m, n, add, dtype=BF16):
+    """(kernel name, constants, hints) of the forward the host launches (``add``: the kernels' ADD)."""
+    plan = host._forward_launch(0, m, n, dtype, None, "llama", True, True, add)
+    gather = plan.kernel is host._kernels().rms_norm_fwd_gather
+    return ("rms_norm_fwd_gather" if gather else "rms_norm_fwd_persistent"), plan.constants, plan.hints
+
+
+def expected_launch(cand, m, n, add):
+    """The same triple built by hand from a candidate (the kernels' constant order, see kernels.py)."""
+    cfg = config.build_forward(cand, config.m_bucket(m), n, SMS)
+    hints = tuple(
+        sorted((k, v) for k, v in (("occupancy", cand.occupancy), ("num_worker_warps", cand.num_worker_warps)) if v)
+    )
+    if cand.kernel == "gather":
+        return "rms_norm_fwd_gather", (cand.tile_n, 0, True, cfg.single_tile, True, add), hints
+    return "rms_norm_fwd_persistent", (cand.tile_m, cand.tile_n, cand.tail_n, 0, True, add), hints
+
+
+def test_fused_forward_takes_its_entry_then_the_forward_entry_then_the_heuristics(host):
+    m, n = 4096, 4100  # bucket 4224
+    fused = config.ForwardCandidate("gather", 1, 8192, 0, 0, 16, 4)  # neither the heuristics' nor the forward's
+    plain = config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)
+    doc = one_entry("forward", "bf16", 4224, plain)
+    tuning.set_runs(doc, "fused_forward", "bf16", 4224, [{"m": 1, "winner": asdict(fused), "gbps": {}}])
+    pre, post = host._ADD_MODES["pre"], host._ADD_MODES["post"]
+    with tuning.use_table(doc):
+        # plain first, then fused, from one cache: the two configs must not be confused
+        assert launched(host, m, n, host._ADD_NONE) == expected_launch(plain, m, n, 0)
+        assert launched(host, m, n, pre) == expected_launch(fused, m, n, pre)
+        assert launched(host, m, n, post) == expected_launch(fused, m, n, post)
+        assert launched(host, m, n, host._ADD_NONE) == expected_launch(plain, m, n, 0)
+        assert host._forward_config(0, m, n, BF16, None).kernel == "persistent"
+        # a forced kernel other than the fused winner's: the forward entry's, which is of that kernel
+        cfg = host._forward_config(0, m, n, BF16, "persistent", "fused_forward")
+        assert (cfg.kernel, cfg.tile_m, cfg.grid) == ("persistent", 2, 3 * SMS)
+    with tuning.use_table(one_entry("forward", "bf16", 4224, plain)):  # no fused entry: the forward's
+        assert launched(host, m, n, pre) == expected_launch(plain, m, n, pre)
+    with tuning.use_table(one_entry("backward", "bf16", 4224, config.backward_candidate(m, 4224, BF16, SMS))):
+        analytic = config.forward_candidate(config.m_bucket(m), n, BF16, SMS)  # neither: the heuristics
+        assert launched(host, m, n, pre) == expected_launch(analytic, m, n, pre)
+        assert analytic not in (plain, fused)
+
+
+def test_the_analytic_table_writes_no_fused_forward_entry():
+    doc = tuning.analytic_doc("sm90_132sm", "x", (9, 0), SMS, "test")
+    assert "fused_forward" in tuning.OPS and not doc["fused_forward"]
+    assert tuning.load(doc).lookup("fused_forward", 4096, 4096, BF16) is None
+    assert '"fused_forward"' in tuning.dumps(doc)  # empty but present: the sweep fills it
+
+
+def test_an_invalid_fused_forward_entry_says_what_is_wrong():
+    doc = one_entry("fused_forward", "bf16", 4224, config.ForwardCandidate("persistent", 2, 8192, 0, 2, 2, 0))
+    tuning.Table(doc)
+    doc["fused_forward"]["bf16"]["4224"][0]["winner"]["kernel"] = "direct"
+    with pytest.raises(tuning.TuningTableError, match=r"t.json: fused_forward/bf16/4224/m=1: kernel must be one of"):
+        tuning.Table(doc, "t.json")
+
+
+def test_overlay_of_a_fused_sweep_follows_the_forward_entry_elsewhere():
+    """A fused sweep at 4096 and 32768 rows laid over a table with a measured forward entry: below 4096 and
+    where the forward's choice changes, the fused entry repeats the forward's (what the fallback gave); the
+    forward entry is untouched."""
+    n = 4096
+    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
+    fwd_sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep 1")
+    measured_fwd = {**asdict(config.forward_candidate(4096, n, BF16, SMS)), "occupancy": 4}
+    tuning.set_runs(fwd_sweep, "forward", "bf16", n, [{"m": 4096, "winner": measured_fwd, "gbps": {"a": 1.0}}])
+    shipped_like = tuning.overlay(base, fwd_sweep)
+    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep 2")
+    fused = {m: {**asdict(config.forward_candidate(m, n, BF16, SMS, "persistent")), "tile_m": 8} for m in (4096, 32768)}
+    tuning.set_runs(
+        sweep, "fused_forward", "bf16", n, [{"m": m, "winner": c, "gbps": {"b": 1.0}} for m, c in fused.items()]
+    )
+    out = tuning.overlay(shipped_like, sweep)
+    assert out["forward"] == shipped_like["forward"] and out["backward"] == base["backward"]
+    table, before = tuning.load(out), tuning.load(shipped_like)
+    for m in tuning.M_BUCKETS:
+        got = asdict(table.lookup("fused_forward", m, n, BF16))
+        fwd_here = asdict(before.lookup("forward", m, n, BF16))
+        ref = max([b for b in fused if b <= m], default=None)
+        if ref is None or fwd_here != asdict(before.lookup("forward", ref, n, BF16)):
+            assert got == fwd_here, m
+        else:
+            assert got == fused[ref], m
+    assert asdict(table.lookup("fused_forward", 4096, n, BF16)) == fused[4096]
+    assert asdict(table.lookup("forward", 4096, n, BF16)) == measured_fwd
+    assert asdict(table.lookup("fused_forward", 16384, n, BF16))["kernel"] == "gather"  # the forward's switch

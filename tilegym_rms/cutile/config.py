@@ -305,13 +305,15 @@ def build_forward(cand: ForwardCandidate, m: int, n: int, num_sms: int) -> Forwa
 
 
 def forward_config(
-    m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None, table=None
+    m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None, table=None, op: str = "forward"
 ) -> ForwardConfig:
     """Chooses the forward kernel and its tiles: the tuning ``table``'s winner for the bucket of ``(m, n,
-    dtype)`` (a :class:`.tuning.Table`), else the analytic heuristics. ``kernel`` forces one ("gather" /
-    "persistent"); a table winner of the other kernel then gives way to the heuristics."""
-    cand = table.lookup("forward", m, n, dtype) if table is not None else None
-    if cand is None or kernel not in (None, cand.kernel):
+    dtype)`` (a :class:`.tuning.Table`), else the analytic heuristics. ``op`` "fused_forward" (the fused
+    residual add) takes its own entry first, then the plain forward's. ``kernel`` forces one ("gather" /
+    "persistent"); a table winner of the other kernel then gives way to the next in that order."""
+    winners = table.winners(op, m, n, dtype) if table is not None else ()
+    cand = next((c for c in winners if kernel in (None, c.kernel)), None)
+    if cand is None:
         cand = forward_candidate(m, n, dtype, num_sms, kernel)
     return build_forward(cand, m, n, num_sms)
 
