@@ -74,14 +74,16 @@ def _forward_name(plan):
 
 def _check_hosts_launches(monkeypatch, require_every_op=False):
     """The forward the host launches (kernel, constants, hints) at each measured table point, plain and
-    fused (ADD "pre" and "post"), read from the host path itself, is one of the variants the compile check
-    builds."""
+    fused (ADD "pre" and "post"), and the qk kernels (a training call's), read from the host path itself,
+    are among the variants the compile check builds."""
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import launch, tuning
 
-    compiled = {(v.kernel_name, v.params[-len(v.params) + 8 :], v.hints) for v in aot.variants()}
+    # the constants: after the arrays and scalars (8 of a forward, 10 of the qk forward, 12 of its backward)
+    skip = {"qk_rms_norm_fwd": 10, "qk_rms_norm_bwd": 12}
+    compiled = {(v.kernel_name, v.params[skip.get(v.kernel_name, 8) :], v.hints) for v in aot.variants()}
     adds = {"forward": (cutile._ADD_NONE,), "fused_forward": tuple(cutile._ADD_MODES.values())}
-    checked = dict.fromkeys(adds, 0)
+    checked = dict.fromkeys((*adds, "qk"), 0)
     for op, modes in adds.items():
         for key, sms, m, n, dtype in _measured_points(op):
             monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
@@ -92,6 +94,16 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
                     plan = cutile._forward_launch(0, m, n, dtype, None, "llama", True, True, add)
                 assert (_forward_name(plan), plan.constants, plan.hints) in compiled, (op, key, m, n, dtype, plan)
                 checked[op] += 1
+    for key, sms, m, d, dtype in _measured_points("qk"):
+        monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
+        monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
+        cutile.clear_caches()
+        tokens = tuning.qk_sweep_tokens(m)
+        with tuning.use_table("packaged"):
+            c = cutile._qk_config(0, tokens * tuning.QK_SWEEP_HEADS[0], tokens * tuning.QK_SWEEP_HEADS[1], d, dtype)
+        assert ("qk_rms_norm_fwd", (c.fwd_tile_m, c.tile_n, 0, True, True), c.fwd_hints) in compiled, (key, m, d, c)
+        assert ("qk_rms_norm_bwd", (c.bwd_tile_m, c.tile_n, True, True), c.bwd_hints) in compiled, (key, m, d, c)
+        checked["qk"] += 1
     cutile.clear_caches()
     assert checked["forward"], "the shipped tables hold no measured point"
     if require_every_op:
@@ -117,6 +129,7 @@ def _odd_table():
         ("forward", 2048, gather),
         ("fused_forward", 2048, gather),
         ("fused_forward", 1024, persistent),
+        ("qk", 64, config.QKCandidate(512, 64, 3, 1, 1, 4)),  # 512 x 64: twice the heuristics' largest tile
     ):
         tuning.set_runs(doc, op, "bf16", n_b, [{"m": 4096, "winner": asdict(cand), "gbps": {"x": 1.0}}])
     assert config.forward_candidate(4096, 2048, torch.bfloat16, 132) != gather

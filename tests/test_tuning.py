@@ -302,7 +302,7 @@ def test_a_winner_serves_every_n_of_its_bucket():
 
 
 def test_candidates_start_with_the_heuristics_and_are_valid():
-    for op in tuning.OPS:
+    for op in ("forward", "backward", "fused_forward"):
         for n_b in (64, 1024, 4224, 5120, 12288, 40960):
             for m_b in (1, 4096, 65536):
                 cands = tuning.candidates(op, m_b, n_b, BF16, SMS)
@@ -442,3 +442,86 @@ def test_overlay_of_a_fused_sweep_follows_the_forward_entry_elsewhere():
     assert asdict(table.lookup("fused_forward", 4096, n, BF16)) == fused[4096]
     assert asdict(table.lookup("forward", 4096, n, BF16)) == measured_fwd
     assert asdict(table.lookup("fused_forward", 16384, n, BF16))["kernel"] == "gather"  # the forward's switch
+
+
+# --- qk: an entry per head dim bucket and rows bucket of q and k together ---
+
+QK_ODD = config.QKCandidate(512, 8, 3, 1, 0, 4)  # no heuristic picks these
+
+
+def test_the_hosts_qk_config_follows_the_qk_entry_and_is_the_heuristics_without_one(host):
+    m_q, m_k, d = 16 * 1024, 4 * 1024, 64  # 20480 rows: bucket 32768
+    doc = one_entry("qk", "bf16", 64, QK_ODD, m=32768)
+    analytic = config.qk_config(m_q, m_k, d, BF16, SMS)
+    assert host._qk_config(0, m_q, m_k, d, BF16) == analytic  # the shipped table has no qk entry
+    with tuning.use_table(doc):
+        c = host._qk_config(0, m_q, m_k, d, BF16)
+        assert (c.tile_n, c.fwd_tile_m, c.bwd_tile_m) == (64, 512, 8)
+        assert (c.fwd_grid, c.bwd_grid) == (32 + 8, SMS)  # 3 blocks per SM, capped by the row tiles of 512
+        assert (c.fwd_hints, c.bwd_hints) == ((), (("occupancy", 4),))
+        assert host._qk_config(0, m_q, m_k, 128, BF16) == config.qk_config(m_q, m_k, 128, BF16, SMS)  # other D
+        assert host._qk_config(0, m_q, m_k, d, torch.float16) == config.qk_config(m_q, m_k, d, BF16, SMS)
+        # below the entry's first run the floor rule gives the first run; a D of the same bucket shares it
+        assert host._qk_config(0, 64, 16, 33, BF16).fwd_tile_m == 512
+    with tuning.use_table(None):
+        assert host._qk_config(0, m_q, m_k, d, BF16) == analytic
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"fwd_tile_m": 48}, "fwd_tile_m 48 must be a power of two"),
+        ({"bwd_tile_m": 1024}, "bwd_tile_m 1024 must be a power of two with bwd_tile_m x 64 columns <= 32768"),
+        ({"fwd_blocks_per_sm": 0}, "fwd_blocks_per_sm 0 must be >= 1"),
+        ({"bwd_occupancy": -1}, "bwd_occupancy -1 >= 0"),
+        ({"fwd_tile_m": "32"}, "must be integers"),
+    ],
+)
+def test_an_invalid_qk_entry_says_what_is_wrong(change, message):
+    doc = one_entry("qk", "bf16", 64, QK_ODD)
+    tuning.Table(doc)
+    doc["qk"]["bf16"]["64"][0]["winner"].update(change)
+    with pytest.raises(tuning.TuningTableError, match=r"t\.json: .*qk/bf16/64.*" + message.replace("(", r"\(")):
+        tuning.Table(doc, "t.json")
+    wide = one_entry("qk", "bf16", 2048, config.QKCandidate(8, 8, 1, 1, 0, 0))
+    with pytest.raises(tuning.TuningTableError, match="no qk kernel takes head dims above 1024"):
+        tuning.Table(wide)
+    missing = one_entry("qk", "bf16", 64, QK_ODD)
+    del missing["qk"]["bf16"]["64"][0]["winner"]["bwd_occupancy"]
+    with pytest.raises(tuning.TuningTableError, match="a qk winner has exactly the fields"):
+        tuning.Table(missing)
+
+
+def test_qk_candidates_vary_each_half_around_the_heuristics():
+    for d, m_b in ((64, 4096), (128, 32768), (256, 1 << 20), (1024, 1 << 22)):
+        base = config.qk_candidate(m_b, d, BF16, SMS)
+        cands = tuning.candidates("qk", m_b, d, BF16, SMS)
+        assert cands[0] == base and len(set(cands)) == len(cands) == 11
+        assert all(tuning.candidate_error("qk", c, d) is None for c in cands)
+        for side, other in (("fwd", "bwd"), ("bwd", "fwd")):
+            t, b = getattr(base, f"{side}_tile_m"), getattr(base, f"{side}_blocks_per_sm")
+            varied = {(getattr(c, f"{side}_tile_m"), getattr(c, f"{side}_blocks_per_sm")) for c in cands}
+            assert varied == {(tm, bb) for tm in (t // 2, t, 2 * t) for bb in (b, 2 * b)}
+            # a candidate varies one half only: the other keeps the heuristics' choice
+            assert all(
+                getattr(c, f"{other}_tile_m") == getattr(base, f"{other}_tile_m")
+                for c in cands
+                if getattr(c, f"{side}_tile_m") != t
+            )
+    assert tuning.label("qk", QK_ODD) == "fwd 512r b3 o0 | bwd 8r b1 o4"
+
+
+def test_overlay_of_a_qk_sweep_keeps_the_heuristics_where_they_change():
+    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
+    assert not base["qk"]  # absence means the heuristics
+    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
+    runs = [{"m": m, "winner": asdict(QK_ODD), "gbps": {"fwd 1r b1 o0": 1.0}} for m in (4096, 1 << 20)]
+    tuning.set_runs(sweep, "qk", "bf16", 64, runs)
+    table = tuning.load(tuning.overlay(base, sweep))
+    for m in tuning.M_BUCKETS:
+        got, analytic = table.lookup("qk", m, 64, BF16), config.qk_candidate(m, 64, BF16, SMS)
+        ref = max([r for r in (4096, 1 << 20) if r <= m], default=None)
+        stays = ref is not None and analytic == config.qk_candidate(ref, 64, BF16, SMS)
+        assert got == (QK_ODD if stays else analytic), m
+    assert table.lookup("qk", 8192, 64, BF16) != QK_ODD  # the heuristics' tile grows with the rows there
+    assert table.lookup("qk", 1 << 22, 64, BF16) == QK_ODD

@@ -210,6 +210,10 @@ def table_variants() -> list[Variant]:
                     for run in (r for r in runs if "gbps" in r):
                         if op == "fused_forward":
                             more = fused_add_variants_for(run["m"], int(n_b), dtype, dtype, sms, (None,), table)
+                        elif op == "qk":  # the rows only set the grid here: the winner gives the tiles
+                            entry = table.lookup(op, run["m"], int(n_b), dtype)
+                            m_k = max(1, run["m"] // (QK_HEADS_RATIO + 1))
+                            more = qk_variants_for(m_k, int(n_b), dtype, sms, False, entry)
                         else:
                             more = variants_for(run["m"], int(n_b), dtype, sms, (None,), False, table)
                         found.update(dict.fromkeys(more))
@@ -226,12 +230,14 @@ QK_REPRESENTATIVE_D = (64, 128, 256)
 QK_HEADS_RATIO = 4
 
 
-def qk_variants_for(m: int, d: int, dtype, num_sms: int = REFERENCE_SMS, every_path: bool = True) -> list[Variant]:
+def qk_variants_for(
+    m: int, d: int, dtype, num_sms: int = REFERENCE_SMS, every_path: bool = True, entry=None
+) -> list[Variant]:
     """The qk kernel variants for ``m`` rows of k (``QK_HEADS_RATIO * m`` of q) of head dim ``d``: forward,
     backward and the dw reduction; with ``every_path``, every casting mode and the no-weight variants on
-    bf16 (as :func:`variants_for`)."""
+    bf16 (as :func:`variants_for`). ``entry``: a tuning table's qk winner (None: the heuristics)."""
     found: dict[Variant, None] = {}
-    cfg = config.qk_config(QK_HEADS_RATIO * m, m, d, dtype, num_sms)
+    cfg = config.qk_config(QK_HEADS_RATIO * m, m, d, dtype, num_sms, entry)
     x3, w1, r2 = _arr(dtype, 3), _arr(dtype, 1), _arr(_F32, 2)
     combos = ((0, True, True), (1, True, True), (2, True, True), (0, False, False), (0, True, False))
     for cast, has_wq, has_wk in combos if dtype == torch.bfloat16 and every_path else combos[:1]:

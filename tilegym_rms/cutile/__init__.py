@@ -260,7 +260,9 @@ def _backward(x, dy, dres, weight, rstd, offset):
 def _qk_config(device_index, m_q, m_k, d, dtype):
     from .launch import num_sms
 
-    return config.qk_config(m_q, m_k, d, dtype, num_sms(device_index))
+    table = tuning.table_for(device_index)
+    entry = table.lookup("qk", m_q + m_k, d, dtype) if table is not None else None
+    return config.qk_config(m_q, m_k, d, dtype, num_sms(device_index), entry)
 
 
 def _tile_rows_along_dim0(*views):
