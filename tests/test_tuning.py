@@ -525,3 +525,79 @@ def test_overlay_of_a_qk_sweep_keeps_the_heuristics_where_they_change():
         assert got == (QK_ODD if stays else analytic), m
     assert table.lookup("qk", 8192, 64, BF16) != QK_ODD  # the heuristics' tile grows with the rows there
     assert table.lookup("qk", 1 << 22, 64, BF16) == QK_ODD
+
+
+# --- the sweep (bench/tune_table.py) for the fused forward and qk, without a GPU ---
+
+
+@pytest.fixture
+def tune_table(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import tune_table
+
+    return tune_table
+
+
+def test_the_sweep_plans_the_new_ops_points_and_timings(tune_table):
+    args = tune_table.build_parser().parse_args(
+        ["--ops", "forward,fused_forward,qk", "--dtypes", "bf16", "--quick", "--m", "1,4096,32768"]
+    )
+    ops, points = tune_table.sweep_args(args)
+    assert points["fused_forward"] == points["forward"]  # the same buckets, the plain forward's candidates
+    qk_ms = (4096, 32768)  # a single row is no q and k of 16 and 4 heads
+    assert points["qk"] == [("bf16", d, m) for d in tune_table.QK_N for m in qk_ms]
+    assert tuning.qk_sweep_tokens(4096) * 20 in range(2049, 4097) and tuning.qk_sweep_tokens(16) == 0
+    got = {op: tune_table.plan([op], points, SMS) for op in ops}
+    assert got["fused_forward"]["timings"] == got["forward"]["timings"]
+    assert got["fused_forward"]["points"] == got["forward"]["points"]
+    assert got["qk"]["points"] == len(tune_table.QK_N) * len(qk_ms)
+    assert got["qk"]["timings"] == 12 * got["qk"]["points"]  # 6 forward halves + 6 backward halves
+    default = tune_table.sweep_args(tune_table.build_parser().parse_args([]))[0]
+    assert default == ["forward", "backward"]
+
+
+def test_the_qk_winner_takes_the_best_half_each_way_on_fake_timings(tune_table):
+    cands = tuning.candidates("qk", 32768, 128, BF16, SMS)
+    base = cands[0]
+    gbps = {label: 100.0 for c in cands for label in tune_table.timed_parts("qk", [c])}
+    fast_fwd = next(
+        c for c in cands if c.fwd_tile_m == 2 * base.fwd_tile_m and c.fwd_blocks_per_sm == base.fwd_blocks_per_sm
+    )
+    fast_bwd = next(
+        c for c in cands if c.bwd_tile_m == base.bwd_tile_m // 2 and c.bwd_blocks_per_sm == 2 * base.bwd_blocks_per_sm
+    )
+    gbps[tuning.qk_half_label(fast_fwd, "fwd")] = 110.0
+    gbps[tuning.qk_half_label(fast_bwd, "bwd")] = 100.5  # within the 1% margin: the heuristics' half stays
+    won = tune_table.qk_winner(cands, gbps, 0.01)
+    assert (won.fwd_tile_m, won.fwd_blocks_per_sm) == (2 * base.fwd_tile_m, base.fwd_blocks_per_sm)
+    assert (won.bwd_tile_m, won.bwd_blocks_per_sm) == (base.bwd_tile_m, base.bwd_blocks_per_sm)
+    gbps[tuning.qk_half_label(fast_bwd, "bwd")] = 120.0
+    won = tune_table.qk_winner(cands, gbps, 0.01)
+    assert (won.bwd_tile_m, won.bwd_blocks_per_sm) == (base.bwd_tile_m // 2, 2 * base.bwd_blocks_per_sm)
+    assert won not in cands  # a pair never timed together: the halves are independent launches
+    tuning.Table(one_entry("qk", "bf16", 128, won, m=32768))  # a valid table entry
+
+
+def test_overlay_with_the_shipped_table_as_base_keeps_its_measured_entries(tune_table, tmp_path):
+    shipped_path = REPO / "tilegym_rms/cutile/tuning/sm90_132sm.json"
+    shipped_doc = json.loads(shipped_path.read_text())
+    base_path = tmp_path / "sm90_132sm.json"
+    base_path.write_text(shipped_path.read_text())
+    sweep = tuning.new_doc("sm90_132sm", "H100", (9, 0), SMS, "measured", "sweep 2")
+    fused = asdict(config.forward_candidate(4096, 5120, BF16, SMS, "gather"))
+    tuning.set_runs(sweep, "fused_forward", "bf16", 5120, [{"m": 4096, "winner": fused, "gbps": {"g": 1.0}}])
+    tuning.set_runs(sweep, "qk", "bf16", 64, [{"m": 32768, "winner": asdict(QK_ODD), "gbps": {"fwd": 1.0}}])
+    sweep_path = tmp_path / "sweep2.json"
+    sweep_path.write_text(json.dumps(sweep))
+    assert tune_table.main(["--overlay", str(sweep_path), "--base", str(base_path), "--out", str(base_path)]) == 0
+    out = json.loads(base_path.read_text())
+    assert out["forward"] == shipped_doc["forward"] and out["backward"] == shipped_doc["backward"]
+    table = tuning.load(out)
+    assert asdict(table.lookup("fused_forward", 4096, 5120, BF16)) == fused
+    assert table.lookup("qk", 32768, 64, BF16) == QK_ODD
+    assert table.lookup("fused_forward", 4096, 4096, BF16) is None  # not measured: the forward's entry rules
+    assert next(table.winners("fused_forward", 4096, 4096, BF16)) == table.lookup("forward", 4096, 4096, BF16)
+    # without --base the sweep lands on the analytic table: the shipped measured winners would be lost
+    analytic_out = tmp_path / "analytic.json"
+    assert tune_table.main(["--overlay", str(sweep_path), "--out", str(analytic_out)]) == 0
+    assert json.loads(analytic_out.read_text())["forward"] != shipped_doc["forward"]
