@@ -11,8 +11,21 @@ so an interrupted sweep resumes with ``--merge`` on its own output: points alrea
     python bench/tune_table.py --device cuda:0 --out tilegym_rms/cutile/tuning/sm90_132sm.json
     python bench/tune_table.py --quick --dtypes bf16 --out /tmp/t.json         # a smaller sweep
     python bench/tune_table.py --plan --sms 132                                 # counts and estimate, no GPU
+    python bench/tune_table.py --ops fused_forward,qk --dtypes bf16 --quick --m 4096,32768 --out s.json
+    python bench/tune_table.py --overlay s.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
+        --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # merged into the shipped table
     python bench/tune_table.py --analytic --sms 132 --capability 9.0 --name "NVIDIA H100 80GB HBM3" \\
         --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # the analytic table, no GPU
+
+Ops (``--ops``, default forward,backward): ``forward`` and ``backward`` time ``cutile.forward`` /
+``cutile.backward``; ``fused_forward`` the forward candidates through ``cutile.fused_add_forward(x, r, w,
+..., mode="pre")`` (traffic: four streams per row); ``qk`` the qk candidates (each half of the heuristics'
+choice with half, the same or twice the rows per tile and once or twice the blocks per SM) through
+``cutile.qk_forward`` and ``cutile.qk_backward`` (with its dw reduction) on ``(G, 16, D)`` q and ``(G, 4, D)``
+k views, k a fifth of the rows (M buckets below 32 rows skipped). The qk forward and backward are timed
+apart: they are separate launches whose configs do not interact, so the best forward half and the best
+backward half make the winner (11 candidates, 12 timings) where timing every pair would take 36. qk runs at
+head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile_n``).
 
 Shapes above ``MAX_ELEMENTS`` are not timed (their M run is the one below: the floor rule of the schema).
 The tool lives in bench/ because it needs the benchmarks' timer; the package holds the table format,
@@ -26,7 +39,7 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -38,12 +51,13 @@ except ImportError:  # run as a script: bench/ is on sys.path
     import traffic
     import tune_cutile
 
-from tilegym_rms.cutile import tuning
+from tilegym_rms.cutile import config, tuning
 
 M_DEFAULT = (1, 64, 512, 2048, 8192, 32768)
 M_QUICK = (1, 512, 8192)
 # Quick: every 512 columns up to 8192 and the coarse points (the dense 128-column steps are the slow part).
 N_QUICK = tuple(n for n in tuning.N_BUCKETS if n <= 128 or n % 512 == 0)
+QK_N = (64, 96, 128, 256)  # the head dims of the common models (as bench_rmsnorm.py --measure qk_norm, plus 96)
 MAX_ELEMENTS = 1 << 28  # 512 MiB of bf16 per tensor: the backward's inputs and outputs stay far below 80 GB
 # Plan estimate (H100; the run prints its real pace): one compile, one timed candidate.
 COMPILE_S = 3.0
@@ -58,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tune_table.py", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--out", help="the table to write")
-    parser.add_argument("--ops", default="forward,backward", help="forward,backward")
+    parser.add_argument("--ops", default="forward,backward", help=f"some of {','.join(tuning.OPS)}")
     parser.add_argument("--dtypes", default="bf16,fp16,fp32")
     parser.add_argument("--n", type=parse_ints, help="N bucket points (default: all of tuning.N_BUCKETS)")
     parser.add_argument("--m", type=parse_ints, help=f"M buckets (default {M_DEFAULT})")
@@ -71,7 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overlay",
         metavar="SWEEP",
-        help="lay a measured sweep over the analytic table of its device (tuning.overlay) and write --out; no GPU",
+        help="lay a measured sweep over --base (tuning.overlay) and write --out; no GPU",
+    )
+    parser.add_argument(
+        "--base",
+        metavar="TABLE",
+        help="--overlay: the table to keep and lay the sweep over, e.g. the shipped one (default: the analytic table)",
     )
     parser.add_argument("--sms", type=int, help="--plan / --analytic: the SM count")
     parser.add_argument("--capability", default="9.0", help="--analytic: compute capability, e.g. 9.0")
@@ -79,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def sweep_args(args) -> tuple[list[str], list[str], list[int], list[int]]:
+def sweep_args(args) -> tuple[list[str], dict[str, list[tuple[str, int, int]]]]:
+    """The ops, and each op's (dtype, N bucket, M bucket) points."""
     ops = args.ops.split(",")
     dtypes = args.dtypes.split(",")
     ns = args.n or (N_QUICK if args.quick else tuning.N_BUCKETS)
@@ -87,24 +107,49 @@ def sweep_args(args) -> tuple[list[str], list[str], list[int], list[int]]:
     bad = [n for n in ns if n not in tuning.N_BUCKETS] + [m for m in ms if m not in tuning.M_BUCKETS]
     if bad or not set(ops) <= set(tuning.OPS) or not set(dtypes) <= set(tuning.DTYPES):
         raise SystemExit(f"not bucket points, ops or dtypes of tilegym_rms.cutile.tuning: {bad or ops + dtypes}")
-    return ops, dtypes, list(ns), list(ms)
+    points = {}
+    for op in ops:
+        op_ns, op_ms = ns, ms
+        if op == "qk":
+            op_ns = [n for n in (args.n or QK_N) if n <= config.HEURISTICS.qk_max_tile_n]
+            op_ms = [m for m in ms if tuning.qk_sweep_tokens(m)]
+        points[op] = [p for p in tuning.sweep_points(dtypes, op_ns, op_ms) if p[1] * p[2] <= MAX_ELEMENTS]
+    return ops, points
 
 
-def plan(ops, dtypes, ns, ms, sms: int, done=frozenset()) -> dict:
-    """What a sweep will do: points, timed candidates and distinct compiled variants (blocks per SM only
-    changes the grid), and the estimated time."""
-    points = timings = 0
+def timed_parts(op: str, cands) -> set:
+    """What the sweep times for ``cands``: each candidate, or each distinct half of a qk candidate."""
+    if op != "qk":
+        return {tuning.label(op, c) for c in cands}
+    return {tuning.qk_half_label(c, side) for c in cands for side in ("fwd", "bwd")}
+
+
+def compiled_parts(op: str, dt: str, n_b: int, cands) -> set:
+    """The compiled variants ``cands`` need (blocks per SM only changes the grid)."""
+    if op == "qk":
+        return {
+            (op, dt, n_b, side, getattr(c, f"{side}_tile_m"), getattr(c, f"{side}_occupancy"))
+            for c in cands
+            for side in ("fwd", "bwd")
+        }  # fmt: skip (the tile is one head wide: N's bucket sets it)
+    return {(op, dt, *(v for k, v in asdict(c).items() if k != "blocks_per_sm")) for c in cands}
+
+
+def plan(ops, points, sms: int, done=frozenset()) -> dict:
+    """What a sweep will do: points, timed candidates and distinct compiled variants, and the estimated
+    time."""
+    n_points = timings = 0
     variants = set()
     for op in ops:
-        for dt, n_b, m_b in tuning.sweep_points(dtypes, ns, ms):
-            if m_b * n_b > MAX_ELEMENTS or (op, dt, n_b, m_b) in done:
+        for dt, n_b, m_b in points[op]:
+            if (op, dt, n_b, m_b) in done:
                 continue
             cands = tuning.candidates(op, m_b, n_b, tuning.DTYPES[dt], sms)
-            points += 1
-            timings += len(cands)
-            variants.update((op, dt, *(v for k, v in asdict(c).items() if k != "blocks_per_sm")) for c in cands)
+            n_points += 1
+            timings += len(timed_parts(op, cands))
+            variants.update(compiled_parts(op, dt, n_b, cands))
     estimate = len(variants) * COMPILE_S + timings * TIMING_S
-    return {"points": points, "timings": timings, "variants": len(variants), "estimate_s": estimate}
+    return {"points": n_points, "timings": timings, "variants": len(variants), "estimate_s": estimate}
 
 
 def measured_points(doc: dict | None) -> set:
@@ -120,6 +165,19 @@ def measured_points(doc: dict | None) -> set:
     }
 
 
+def qk_winner(cands, gbps: dict[str, float], min_gain: float):
+    """The qk winner from the halves' timings: the best forward half and the best backward half, each kept
+    at the heuristics' (``cands[0]``) unless beaten by ``min_gain``."""
+    out = cands[0]
+    for side in ("fwd", "bwd"):
+        by_label = {tuning.qk_half_label(c, side): c for c in cands}
+        mine = {k: v for k, v in gbps.items() if k in by_label}
+        best = by_label[tuning.select_winner(mine, tuning.qk_half_label(cands[0], side), min_gain)]
+        fields = (f"{side}_{k}" for k in ("tile_m", "blocks_per_sm", "occupancy"))
+        out = replace(out, **{f: getattr(best, f) for f in fields})
+    return out
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -129,9 +187,12 @@ def main(argv=None) -> int:
             parser.error("--overlay needs --out")
         sweep = json.loads(open(args.overlay).read())
         dev = sweep["device"]
-        base = tuning.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)
+        if args.base:  # read before --out may overwrite it
+            base = json.loads(open(args.base).read())
+        else:
+            base = tuning.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)
         tuning.write(tuning.overlay(base, sweep), args.out)
-        print(f"wrote {args.out} ({dev['key']}, {args.overlay} over the analytic table)")
+        print(f"wrote {args.out} ({dev['key']}, {args.overlay} over {args.base or 'the analytic table'})")
         return 0
     if args.analytic:
         if not (args.sms and args.out):
@@ -141,11 +202,11 @@ def main(argv=None) -> int:
         tuning.write(tuning.analytic_doc(key, args.name, cc, args.sms, command), args.out)
         print(f"wrote {args.out} ({key}, analytic)")
         return 0
-    ops, dtypes, ns, ms = sweep_args(args)
+    ops, points = sweep_args(args)
     base_doc = json.loads(open(args.merge).read()) if args.merge else None
     done = measured_points(base_doc)
     if args.plan:
-        p = plan(ops, dtypes, ns, ms, args.sms or 132, done)
+        p = plan(ops, points, args.sms or 132, done)
         print(
             f"{p['points']} points, {p['timings']} timings, {p['variants']} variants; ~{p['estimate_s'] / 60:.0f} min"
         )
@@ -155,10 +216,10 @@ def main(argv=None) -> int:
     device = timing.cuda_device(parser.prog)
     if device is None:
         return 2
-    return sweep(args, command, device, ops, dtypes, ns, ms, base_doc, done)
+    return sweep(args, command, device, ops, points, base_doc, done)
 
 
-def sweep(args, command, device, ops, dtypes, ns, ms, base_doc, done) -> int:
+def sweep(args, command, device, ops, points, base_doc, done) -> int:
     import tilegym_rms.cutile as cutile
 
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -176,51 +237,92 @@ def sweep(args, command, device, ops, dtypes, ns, ms, base_doc, done) -> int:
     doc["copy_gbps"] = round(copy_bw, 1)
     if base_doc is not None:
         doc = tuning.merge(base_doc, doc)
-    p = plan(ops, dtypes, ns, ms, sms, done)
+    p = plan(ops, points, sms, done)
     print(f"{name} ({key}), copy {copy_bw:.0f} GB/s: {p['points']} points, {p['timings']} timings, ")
     print(f"{p['variants']} compiled variants; estimate ~{p['estimate_s'] / 60:.0f} min", flush=True)
     reps = args.reps
     start, timed = time.monotonic(), 0
     for op in ops:
-        for dt in dtypes:
+        by_entry: dict[tuple[str, int], list[int]] = {}
+        for dt, n_b, m_b in points[op]:
+            if (op, dt, n_b, m_b) not in done:
+                by_entry.setdefault((dt, n_b), []).append(m_b)
+        for (dt, n_b), ms in by_entry.items():
             dtype = tuning.DTYPES[dt]
-            for n_b in ns:
-                runs = []
-                for m_b in ms:
-                    if m_b * n_b > MAX_ELEMENTS or (op, dt, n_b, m_b) in done:
-                        continue
-                    runs.append(time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, args.min_gain))
-                    timed += len(runs[-1]["gbps"])
-                if not runs:
-                    continue
+            runs = []
+            for m_b in ms:
+                runs.append(time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, args.min_gain))
+                timed += len(runs[-1]["gbps"])
+            if runs:
                 new = tuning.new_doc(key, name, cc, sms, "measured", command)
                 tuning.set_runs(new, op, dt, n_b, runs)
                 doc = tuning.merge(doc, new)
                 tuning.write(doc, args.out)
-                pace = (time.monotonic() - start) / max(timed, 1)
-                left = (p["timings"] - timed) * pace
-                print(f"  {op} {dt} N={n_b}: {timed}/{p['timings']} timed, ~{left / 60:.1f} min left", flush=True)
+            pace = (time.monotonic() - start) / max(timed, 1)
+            left = (p["timings"] - timed) * pace
+            print(f"  {op} {dt} N={n_b}: {timed}/{p['timings']} timed, ~{left / 60:.1f} min left", flush=True)
     print(f"wrote {args.out} ({doc['source']})")
     return 0
 
 
+def _inputs(op: str, m_b: int, n_b: int, dtype: torch.dtype, device: torch.device):
+    """``(input sets, {timed part: (call, bytes)})`` of one point: the plain ops' from tune_cutile; the fused
+    forward's (x, residual); the qk views' (q, k, their output gradients and rstd), one part per half."""
+    if op in ("forward", "backward"):
+        sets, nbytes = tune_cutile._inputs(op, m_b, n_b, dtype, device)
+        return sets, {"": (nbytes, op)}
+    elt = dtype.itemsize
+    if op == "fused_forward":
+        count, _ = traffic.rotation_sets(4 * m_b * n_b * elt, timing.l2_bytes(device))
+        sets = [tuple(torch.randn(m_b, n_b, dtype=dtype, device=device) for _ in "xr") for _ in range(count)]
+        return sets, {"": (traffic.fused_add_forward_bytes(m_b, n_b, elt), op)}
+    tokens = tuning.qk_sweep_tokens(m_b)
+    hq, hk = tuning.QK_SWEEP_HEADS
+    count, _ = traffic.rotation_sets(3 * tokens * (hq + hk) * n_b * elt, timing.l2_bytes(device))
+    sets = []
+    for _ in range(count):
+        q, k = (torch.randn(tokens, h, n_b, dtype=dtype, device=device) for h in (hq, hk))
+        rq, rk = (torch.rand(tokens, h, device=device) + 0.5 for h in (hq, hk))
+        sets.append((q, k, torch.randn_like(q), torch.randn_like(k), rq, rk))
+    rows = tokens * hq  # traffic.qk_rows: q's rows, k's from base.QK_HEADS (the same 16 and 4 heads)
+    return sets, {"fwd": (traffic.qk_forward_bytes(rows, n_b, elt), "qk_fwd"),
+                  "bwd": (traffic.qk_backward_bytes(rows, n_b, elt), "qk_bwd")}  # fmt: skip
+
+
+def _call(cutile, kind: str, w):
+    """The product host call timed for ``kind`` (an op, or "qk_fwd" / "qk_bwd"), weights ``w`` (both)."""
+    if kind in ("forward", "backward"):
+        return tune_cutile._call(cutile, kind, w)
+    if kind == "fused_forward":
+        return lambda s: cutile.fused_add_forward(s[0], s[1], w, 1e-6, 0.0, "llama", mode="pre")
+    if kind == "qk_fwd":
+        return lambda s: cutile.qk_forward(s[0], s[1], w, w, 1e-6, 0.0, "llama")
+    return lambda s: cutile.qk_backward(s[0], s[1], s[2], s[3], w, w, s[4], s[5], 0.0, "llama")
+
+
 def time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain) -> dict:
-    """One run: every candidate at (m_b, n_b) timed through the product's host path; the winner."""
-    sets, nbytes = tune_cutile._inputs(op, m_b, n_b, dtype, device)
+    """One run: every candidate at (m_b, n_b) timed through the product's host path (each half of a qk
+    candidate once); the winner."""
+    sets, parts = _inputs(op, m_b, n_b, dtype, device)
     w = torch.randn(n_b, dtype=dtype, device=device)
-    fn = tune_cutile._call(cutile, op, w)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     cands = tuning.candidates(op, m_b, n_b, dtype, sms)
     gbps = {}
     for cand in cands:
         one = tuning.new_doc(key, "", (0, 0), sms, "measured", "")
         tuning.set_runs(one, op, tuning.DTYPE_NAMES[dtype], n_b, [{"m": 1, "winner": asdict(cand)}])
-        with tuning.use_table(one):
-            try:
-                us = tune_cutile._time_us(timer, fn, sets, reps)
-                gbps[tuning.label(op, cand)] = round(traffic.gbps(nbytes, us), 1)
-            except Exception as exc:  # noqa: BLE001 - a candidate that fails to compile is a result too
-                print(f"    {op} {m_b}x{n_b} {tuning.label(op, cand)}: {base.short_error(exc)}", flush=True)
+        for side, (nbytes, kind) in parts.items():
+            what = tuning.qk_half_label(cand, side) if op == "qk" else tuning.label(op, cand)
+            if what in gbps:
+                continue  # a qk half already timed with another candidate
+            with tuning.use_table(one):
+                try:
+                    us = tune_cutile._time_us(timer, _call(cutile, kind if op == "qk" else op, w), sets, reps)
+                    gbps[what] = round(traffic.gbps(nbytes, us), 1)
+                except Exception as exc:  # noqa: BLE001 - a candidate that fails to compile is a result too
+                    print(f"    {op} {m_b}x{n_b} {what}: {base.short_error(exc)}", flush=True)
+    if op == "qk":
+        return {"m": m_b, "winner": asdict(qk_winner(cands, gbps, min_gain)), "gbps": gbps}
     winner = tuning.select_winner(gbps, tuning.label(op, cands[0]), min_gain)
     by_label = {tuning.label(op, c): c for c in cands}
     return {"m": m_b, "winner": asdict(by_label[winner]), "gbps": gbps}

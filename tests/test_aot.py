@@ -68,35 +68,94 @@ def test_qk_variants_compile(arch):
     assert f"{len(only)} compiled, 0 failed" in out.getvalue()
 
 
-def _measured_points():
-    """(m, n, dtype) at every measured run of the shipped tables: where a sweep may have picked a variant
-    the heuristics never launch."""
+def _measured_points(op):
+    """(key, sms, m, n, dtype) at every measured run of ``op`` in the shipped tables: where a sweep may have
+    picked a variant the heuristics never launch."""
     from tilegym_rms.cutile import tuning
 
     for key in tuning.packaged_keys():
         doc = tuning.packaged(key).doc
-        for dt, by_n in doc["forward"].items():
+        for dt, by_n in doc.get(op, {}).items():
             for n_b, runs in by_n.items():
                 for run in runs:
                     if "gbps" in run:
                         yield key, doc["device"]["sms"], run["m"], int(n_b), tuning.DTYPES[dt]
 
 
-def test_the_hosts_launches_under_the_shipped_tables_are_compiled(monkeypatch):
-    """The forward the host launches (kernel, constants, hints) at each measured table point, read from the
-    host path itself, is one of the variants the compile check builds."""
+def _forward_name(plan):
+    return "rms_norm_fwd_gather" if plan.kernel is kernels.rms_norm_fwd_gather else "rms_norm_fwd_persistent"
+
+
+def _check_hosts_launches(monkeypatch, require_every_op=False):
+    """The forward the host launches (kernel, constants, hints) at each measured table point, plain and
+    fused (ADD "pre" and "post"), and the qk kernels (a training call's), read from the host path itself,
+    are among the variants the compile check builds."""
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import launch, tuning
 
-    compiled = {(v.kernel_name, v.params[-len(v.params) + 8 :], v.hints) for v in aot.variants()}
-    points = list(_measured_points())
-    assert points, "the shipped tables hold no measured point"
-    for key, sms, m, n, dtype in points:
+    # the constants: after the arrays and scalars (8 of a forward, 10 of the qk forward, 12 of its backward)
+    skip = {"qk_rms_norm_fwd": 10, "qk_rms_norm_bwd": 12}
+    compiled = {(v.kernel_name, v.params[skip.get(v.kernel_name, 8) :], v.hints) for v in aot.variants()}
+    adds = {"forward": (cutile._ADD_NONE,), "fused_forward": tuple(cutile._ADD_MODES.values())}
+    checked = dict.fromkeys((*adds, "qk"), 0)
+    for op, modes in adds.items():
+        for key, sms, m, n, dtype in _measured_points(op):
+            monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
+            monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
+            cutile.clear_caches()
+            for add in modes:
+                with tuning.use_table("packaged"):
+                    plan = cutile._forward_launch(0, m, n, dtype, None, "llama", True, True, add)
+                assert (_forward_name(plan), plan.constants, plan.hints) in compiled, (op, key, m, n, dtype, plan)
+                checked[op] += 1
+    for key, sms, m, d, dtype in _measured_points("qk"):
         monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
         monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
         cutile.clear_caches()
+        tokens = tuning.qk_sweep_tokens(m)
         with tuning.use_table("packaged"):
-            plan = cutile._forward_launch(0, m, n, dtype, None, "llama", True, True, cutile._ADD_NONE)
-        name = "rms_norm_fwd_gather" if plan.kernel is kernels.rms_norm_fwd_gather else "rms_norm_fwd_persistent"
-        assert (name, plan.constants, plan.hints) in compiled, (key, m, n, dtype, plan)
+            c = cutile._qk_config(0, tokens * tuning.QK_SWEEP_HEADS[0], tokens * tuning.QK_SWEEP_HEADS[1], d, dtype)
+        assert ("qk_rms_norm_fwd", (c.fwd_tile_m, c.tile_n, 0, True, True), c.fwd_hints) in compiled, (key, m, d, c)
+        assert ("qk_rms_norm_bwd", (c.bwd_tile_m, c.tile_n, True, True), c.bwd_hints) in compiled, (key, m, d, c)
+        checked["qk"] += 1
     cutile.clear_caches()
+    assert checked["forward"], "the shipped tables hold no measured point"
+    if require_every_op:
+        assert all(checked.values()), checked
+
+
+def test_the_hosts_launches_under_the_shipped_tables_are_compiled(monkeypatch):
+    _check_hosts_launches(monkeypatch)
+
+
+def _odd_table():
+    """A table of measured winners the heuristics never pick, for every op a sweep writes."""
+    from dataclasses import asdict
+
+    import torch
+
+    from tilegym_rms.cutile import config, tuning
+
+    doc = tuning.new_doc("sm90_132sm", "test", (9, 0), 132, "measured", "test")
+    gather = config.ForwardCandidate("gather", 1, 2048, 0, 0, 16, 2)
+    persistent = config.ForwardCandidate("persistent", 32, 1024, 0, 4, 1, 4)
+    for op, n_b, cand in (
+        ("forward", 2048, gather),
+        ("fused_forward", 2048, gather),
+        ("fused_forward", 1024, persistent),
+        ("qk", 64, config.QKCandidate(512, 64, 3, 1, 1, 4)),  # 512 x 64: twice the heuristics' largest tile
+    ):
+        tuning.set_runs(doc, op, "bf16", n_b, [{"m": 4096, "winner": asdict(cand), "gbps": {"x": 1.0}}])
+    assert config.forward_candidate(4096, 2048, torch.bfloat16, 132) != gather
+    return tuning.load(doc)
+
+
+def test_the_hosts_launches_under_measured_fused_and_qk_winners_are_compiled(monkeypatch):
+    """As above, with a table whose fused forward (and qk) winners no heuristic picks: the compile check
+    must follow them (``aot.table_variants``), not only the heuristics."""
+    from tilegym_rms.cutile import tuning
+
+    table = _odd_table()
+    monkeypatch.setattr(tuning, "packaged_keys", lambda: [table.key])
+    monkeypatch.setattr(tuning, "packaged", lambda key: table if key == table.key else None)
+    _check_hosts_launches(monkeypatch, require_every_op=True)

@@ -269,3 +269,30 @@ def test_qk_tiles_depend_on_the_rows_bucket_only():
 def test_qk_config_rejects_head_dims_wider_than_one_tile():
     with pytest.raises(ValueError, match="head dims of at most 1024"):
         config.qk_config(64, 64, 2048, BF16, SMS)
+
+
+# qk_config before the table could decide (commit 6adf6ae, 132 SMs): (m_q, m_k, D) -> QKConfig fields.
+QK_BEFORE_THE_TABLE = {
+    (3276, 819, 128): (128, 16, 16, 257, 257, (("occupancy", 2),), (("occupancy", 2),)),
+    (16384, 4096, 64): (64, 128, 128, 160, 160, (("occupancy", 2),), (("occupancy", 2),)),
+    (838860, 209715, 256): (256, 64, 32, 1056, 264, (("occupancy", 2),), (("occupancy", 2),)),
+    (48, 12, 96): (128, 16, 16, 4, 4, (("occupancy", 2),), (("occupancy", 2),)),
+}
+
+
+@pytest.mark.parametrize("shape", list(QK_BEFORE_THE_TABLE))
+def test_qk_config_without_a_table_entry_is_the_heuristics_of_before(shape):
+    m_q, m_k, d = shape
+    got = config.qk_config(m_q, m_k, d, BF16, SMS)
+    assert tuple(got.__dict__.values()) == QK_BEFORE_THE_TABLE[shape]
+    assert config.qk_config(m_q, m_k, d, BF16, SMS, config.qk_candidate(m_q + m_k, d, BF16, SMS)) == got
+
+
+def test_qk_config_follows_a_table_entry():
+    entry = config.QKCandidate(fwd_tile_m=64, bwd_tile_m=8, fwd_blocks_per_sm=1, bwd_blocks_per_sm=4, fwd_occupancy=0,
+                               bwd_occupancy=3)  # fmt: skip
+    c = config.qk_config(838860, 209715, 256, BF16, SMS, entry)
+    assert (c.tile_n, c.fwd_tile_m, c.bwd_tile_m, c.fwd_grid, c.bwd_grid) == (256, 64, 8, SMS, 4 * SMS)
+    assert c.fwd_hints == () and c.bwd_hints == (("occupancy", 3),)
+    few = config.qk_config(48, 12, 96, BF16, SMS, entry)  # never more blocks than row tiles
+    assert (few.fwd_grid, few.bwd_grid) == (1 + 1, 6 + 2)

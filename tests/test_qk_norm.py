@@ -262,16 +262,17 @@ def _emulated_launch(calls):
 
 
 def _emulate_cutile(monkeypatch):
-    """The cuTile host with its kernels emulated (:func:`_emulated_launch`) on a 4-SM device:
-    ``(the cutile module, the list of kernels launched)``."""
+    """The cuTile host with its kernels emulated (:func:`_emulated_launch`) on a 4-SM device without a
+    tuning table: ``(the cutile module, the list of kernels launched)``."""
     pytest.importorskip("cuda.tile")
     import types
 
     from tilegym_rms import cutile
-    from tilegym_rms.cutile import launch
+    from tilegym_rms.cutile import launch, tuning
 
     calls = []
     monkeypatch.setattr(launch, "num_sms", lambda index: 4)
+    monkeypatch.setattr(tuning, "table_for", lambda index: None)  # no device to key a table on
     monkeypatch.setattr(cutile, "_launch", lambda: _emulated_launch(calls))
     names = ("qk_rms_norm_fwd", "qk_rms_norm_bwd", "rms_norm_dw_reduce")
     monkeypatch.setattr(cutile, "_kernels", lambda: types.SimpleNamespace(**{n: n for n in names}))

@@ -117,7 +117,7 @@ def swept_dtypes(doc) -> set[str]:
     return {
         dt
         for op in tuning.OPS
-        for dt, by_n in doc[op].items()
+        for dt, by_n in doc.get(op, {}).items()
         for runs in by_n.values()
         if any("gbps" in r for r in runs)
     }
@@ -171,7 +171,7 @@ def test_shipped_tables_load_and_cover_every_bucket():
     for key, doc in tables.items():
         table = tuning.packaged(key)
         assert table.key == key and doc["device"]["key"] == key
-        for op in tuning.OPS:
+        for op in tuning.ANALYTIC_OPS:
             for dt in tuning.DTYPES:
                 for n_b in tuning.N_BUCKETS:
                     runs = doc[op][dt][str(n_b)]
@@ -302,11 +302,11 @@ def test_a_winner_serves_every_n_of_its_bucket():
 
 
 def test_candidates_start_with_the_heuristics_and_are_valid():
-    for op in tuning.OPS:
+    for op in ("forward", "backward", "fused_forward"):
         for n_b in (64, 1024, 4224, 5120, 12288, 40960):
             for m_b in (1, 4096, 65536):
                 cands = tuning.candidates(op, m_b, n_b, BF16, SMS)
-                analytic = (config.forward_candidate if op == "forward" else config.backward_candidate)(
+                analytic = (config.forward_candidate if op in tuning.FORWARD_OPS else config.backward_candidate)(
                     m_b, n_b, BF16, SMS
                 )
                 assert cands[0] == analytic and len(set(cands)) == len(cands) and 2 <= len(cands) <= 5
@@ -350,3 +350,254 @@ def test_merge_and_write(tmp_path):
     with pytest.raises(tuning.TuningTableError):
         tuning.write(bad, tmp_path / "bad.json")
     assert not (tmp_path / "bad.json").exists()
+
+
+# --- the fused add's forward: its own entry, then the plain forward's, then the heuristics ---
+
+
+def launched(host, m, n, add, dtype=BF16):
+    """(kernel name, constants, hints) of the forward the host launches (``add``: the kernels' ADD)."""
+    plan = host._forward_launch(0, m, n, dtype, None, "llama", True, True, add)
+    gather = plan.kernel is host._kernels().rms_norm_fwd_gather
+    return ("rms_norm_fwd_gather" if gather else "rms_norm_fwd_persistent"), plan.constants, plan.hints
+
+
+def expected_launch(cand, m, n, add):
+    """The same triple built by hand from a candidate (the kernels' constant order, see kernels.py)."""
+    cfg = config.build_forward(cand, config.m_bucket(m), n, SMS)
+    hints = tuple(
+        sorted((k, v) for k, v in (("occupancy", cand.occupancy), ("num_worker_warps", cand.num_worker_warps)) if v)
+    )
+    if cand.kernel == "gather":
+        return "rms_norm_fwd_gather", (cand.tile_n, 0, True, cfg.single_tile, True, add), hints
+    return "rms_norm_fwd_persistent", (cand.tile_m, cand.tile_n, cand.tail_n, 0, True, add), hints
+
+
+def test_fused_forward_takes_its_entry_then_the_forward_entry_then_the_heuristics(host):
+    m, n = 4096, 4100  # bucket 4224
+    fused = config.ForwardCandidate("gather", 1, 8192, 0, 0, 16, 4)  # neither the heuristics' nor the forward's
+    plain = config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)
+    doc = one_entry("forward", "bf16", 4224, plain)
+    tuning.set_runs(doc, "fused_forward", "bf16", 4224, [{"m": 1, "winner": asdict(fused), "gbps": {}}])
+    pre, post = host._ADD_MODES["pre"], host._ADD_MODES["post"]
+    with tuning.use_table(doc):
+        # plain first, then fused, from one cache: the two configs must not be confused
+        assert launched(host, m, n, host._ADD_NONE) == expected_launch(plain, m, n, 0)
+        assert launched(host, m, n, pre) == expected_launch(fused, m, n, pre)
+        assert launched(host, m, n, post) == expected_launch(fused, m, n, post)
+        assert launched(host, m, n, host._ADD_NONE) == expected_launch(plain, m, n, 0)
+        assert host._forward_config(0, m, n, BF16, None).kernel == "persistent"
+        # a forced kernel other than the fused winner's: the forward entry's, which is of that kernel
+        cfg = host._forward_config(0, m, n, BF16, "persistent", "fused_forward")
+        assert (cfg.kernel, cfg.tile_m, cfg.grid) == ("persistent", 2, 3 * SMS)
+    with tuning.use_table(one_entry("forward", "bf16", 4224, plain)):  # no fused entry: the forward's
+        assert launched(host, m, n, pre) == expected_launch(plain, m, n, pre)
+    with tuning.use_table(one_entry("backward", "bf16", 4224, config.backward_candidate(m, 4224, BF16, SMS))):
+        analytic = config.forward_candidate(config.m_bucket(m), n, BF16, SMS)  # neither: the heuristics
+        assert launched(host, m, n, pre) == expected_launch(analytic, m, n, pre)
+        assert analytic not in (plain, fused)
+
+
+def test_the_analytic_table_writes_no_fused_forward_entry():
+    doc = tuning.analytic_doc("sm90_132sm", "x", (9, 0), SMS, "test")
+    assert "fused_forward" in tuning.OPS and not doc["fused_forward"]
+    assert tuning.load(doc).lookup("fused_forward", 4096, 4096, BF16) is None
+    assert '"fused_forward"' in tuning.dumps(doc)  # empty but present: the sweep fills it
+
+
+def test_an_invalid_fused_forward_entry_says_what_is_wrong():
+    doc = one_entry("fused_forward", "bf16", 4224, config.ForwardCandidate("persistent", 2, 8192, 0, 2, 2, 0))
+    tuning.Table(doc)
+    doc["fused_forward"]["bf16"]["4224"][0]["winner"]["kernel"] = "direct"
+    with pytest.raises(tuning.TuningTableError, match=r"t.json: fused_forward/bf16/4224/m=1: kernel must be one of"):
+        tuning.Table(doc, "t.json")
+
+
+def test_overlay_of_a_fused_sweep_follows_the_forward_entry_elsewhere():
+    """A fused sweep at 4096 and 32768 rows laid over a table with a measured forward entry: below 4096 and
+    where the forward's choice changes, the fused entry repeats the forward's (what the fallback gave); the
+    forward entry is untouched."""
+    n = 4096
+    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
+    fwd_sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep 1")
+    measured_fwd = {**asdict(config.forward_candidate(4096, n, BF16, SMS)), "occupancy": 4}
+    tuning.set_runs(fwd_sweep, "forward", "bf16", n, [{"m": 4096, "winner": measured_fwd, "gbps": {"a": 1.0}}])
+    shipped_like = tuning.overlay(base, fwd_sweep)
+    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep 2")
+    fused = {m: {**asdict(config.forward_candidate(m, n, BF16, SMS, "persistent")), "tile_m": 8} for m in (4096, 32768)}
+    tuning.set_runs(
+        sweep, "fused_forward", "bf16", n, [{"m": m, "winner": c, "gbps": {"b": 1.0}} for m, c in fused.items()]
+    )
+    out = tuning.overlay(shipped_like, sweep)
+    assert out["forward"] == shipped_like["forward"] and out["backward"] == base["backward"]
+    table, before = tuning.load(out), tuning.load(shipped_like)
+    for m in tuning.M_BUCKETS:
+        got = asdict(table.lookup("fused_forward", m, n, BF16))
+        fwd_here = asdict(before.lookup("forward", m, n, BF16))
+        ref = max([b for b in fused if b <= m], default=None)
+        if ref is None or fwd_here != asdict(before.lookup("forward", ref, n, BF16)):
+            assert got == fwd_here, m
+        else:
+            assert got == fused[ref], m
+    assert asdict(table.lookup("fused_forward", 4096, n, BF16)) == fused[4096]
+    assert asdict(table.lookup("forward", 4096, n, BF16)) == measured_fwd
+    assert asdict(table.lookup("fused_forward", 16384, n, BF16))["kernel"] == "gather"  # the forward's switch
+
+
+# --- qk: an entry per head dim bucket and rows bucket of q and k together ---
+
+QK_ODD = config.QKCandidate(512, 8, 3, 1, 0, 4)  # no heuristic picks these
+
+
+def test_the_hosts_qk_config_follows_the_qk_entry_and_is_the_heuristics_without_one(host):
+    m_q, m_k, d = 16 * 1024, 4 * 1024, 64  # 20480 rows: bucket 32768
+    doc = one_entry("qk", "bf16", 64, QK_ODD, m=32768)
+    analytic = config.qk_config(m_q, m_k, d, BF16, SMS)
+    assert host._qk_config(0, m_q, m_k, d, BF16) == analytic  # the shipped table has no qk entry
+    with tuning.use_table(doc):
+        c = host._qk_config(0, m_q, m_k, d, BF16)
+        assert (c.tile_n, c.fwd_tile_m, c.bwd_tile_m) == (64, 512, 8)
+        assert (c.fwd_grid, c.bwd_grid) == (32 + 8, SMS)  # 3 blocks per SM, capped by the row tiles of 512
+        assert (c.fwd_hints, c.bwd_hints) == ((), (("occupancy", 4),))
+        assert host._qk_config(0, m_q, m_k, 128, BF16) == config.qk_config(m_q, m_k, 128, BF16, SMS)  # other D
+        assert host._qk_config(0, m_q, m_k, d, torch.float16) == config.qk_config(m_q, m_k, d, BF16, SMS)
+        # below the entry's first run the floor rule gives the first run; a D of the same bucket shares it
+        assert host._qk_config(0, 64, 16, 33, BF16).fwd_tile_m == 512
+    with tuning.use_table(None):
+        assert host._qk_config(0, m_q, m_k, d, BF16) == analytic
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"fwd_tile_m": 48}, "fwd_tile_m 48 must be a power of two"),
+        ({"bwd_tile_m": 1024}, "bwd_tile_m 1024 must be a power of two with bwd_tile_m x 64 columns <= 32768"),
+        ({"fwd_blocks_per_sm": 0}, "fwd_blocks_per_sm 0 must be >= 1"),
+        ({"bwd_occupancy": -1}, "bwd_occupancy -1 >= 0"),
+        ({"fwd_tile_m": "32"}, "must be integers"),
+    ],
+)
+def test_an_invalid_qk_entry_says_what_is_wrong(change, message):
+    doc = one_entry("qk", "bf16", 64, QK_ODD)
+    tuning.Table(doc)
+    doc["qk"]["bf16"]["64"][0]["winner"].update(change)
+    with pytest.raises(tuning.TuningTableError, match=r"t\.json: .*qk/bf16/64.*" + message.replace("(", r"\(")):
+        tuning.Table(doc, "t.json")
+    wide = one_entry("qk", "bf16", 2048, config.QKCandidate(8, 8, 1, 1, 0, 0))
+    with pytest.raises(tuning.TuningTableError, match="no qk kernel takes head dims above 1024"):
+        tuning.Table(wide)
+    missing = one_entry("qk", "bf16", 64, QK_ODD)
+    del missing["qk"]["bf16"]["64"][0]["winner"]["bwd_occupancy"]
+    with pytest.raises(tuning.TuningTableError, match="a qk winner has exactly the fields"):
+        tuning.Table(missing)
+
+
+def test_qk_candidates_vary_each_half_around_the_heuristics():
+    for d, m_b in ((64, 4096), (128, 32768), (256, 1 << 20), (1024, 1 << 22)):
+        base = config.qk_candidate(m_b, d, BF16, SMS)
+        cands = tuning.candidates("qk", m_b, d, BF16, SMS)
+        assert cands[0] == base and len(set(cands)) == len(cands) == 11
+        assert all(tuning.candidate_error("qk", c, d) is None for c in cands)
+        for side, other in (("fwd", "bwd"), ("bwd", "fwd")):
+            t, b = getattr(base, f"{side}_tile_m"), getattr(base, f"{side}_blocks_per_sm")
+            varied = {(getattr(c, f"{side}_tile_m"), getattr(c, f"{side}_blocks_per_sm")) for c in cands}
+            assert varied == {(tm, bb) for tm in (t // 2, t, 2 * t) for bb in (b, 2 * b)}
+            # a candidate varies one half only: the other keeps the heuristics' choice
+            assert all(
+                getattr(c, f"{other}_tile_m") == getattr(base, f"{other}_tile_m")
+                for c in cands
+                if getattr(c, f"{side}_tile_m") != t
+            )
+    assert tuning.label("qk", QK_ODD) == "fwd 512r b3 o0 | bwd 8r b1 o4"
+
+
+def test_overlay_of_a_qk_sweep_keeps_the_heuristics_where_they_change():
+    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
+    assert not base["qk"]  # absence means the heuristics
+    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
+    runs = [{"m": m, "winner": asdict(QK_ODD), "gbps": {"fwd 1r b1 o0": 1.0}} for m in (4096, 1 << 20)]
+    tuning.set_runs(sweep, "qk", "bf16", 64, runs)
+    table = tuning.load(tuning.overlay(base, sweep))
+    for m in tuning.M_BUCKETS:
+        got, analytic = table.lookup("qk", m, 64, BF16), config.qk_candidate(m, 64, BF16, SMS)
+        ref = max([r for r in (4096, 1 << 20) if r <= m], default=None)
+        stays = ref is not None and analytic == config.qk_candidate(ref, 64, BF16, SMS)
+        assert got == (QK_ODD if stays else analytic), m
+    assert table.lookup("qk", 8192, 64, BF16) != QK_ODD  # the heuristics' tile grows with the rows there
+    assert table.lookup("qk", 1 << 22, 64, BF16) == QK_ODD
+
+
+# --- the sweep (bench/tune_table.py) for the fused forward and qk, without a GPU ---
+
+
+@pytest.fixture
+def tune_table(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import tune_table
+
+    return tune_table
+
+
+def test_the_sweep_plans_the_new_ops_points_and_timings(tune_table):
+    args = tune_table.build_parser().parse_args(
+        ["--ops", "forward,fused_forward,qk", "--dtypes", "bf16", "--quick", "--m", "1,4096,32768"]
+    )
+    ops, points = tune_table.sweep_args(args)
+    assert points["fused_forward"] == points["forward"]  # the same buckets, the plain forward's candidates
+    qk_ms = (4096, 32768)  # a single row is no q and k of 16 and 4 heads
+    assert points["qk"] == [("bf16", d, m) for d in tune_table.QK_N for m in qk_ms]
+    assert tuning.qk_sweep_tokens(4096) * 20 in range(2049, 4097) and tuning.qk_sweep_tokens(16) == 0
+    got = {op: tune_table.plan([op], points, SMS) for op in ops}
+    assert got["fused_forward"]["timings"] == got["forward"]["timings"]
+    assert got["fused_forward"]["points"] == got["forward"]["points"]
+    assert got["qk"]["points"] == len(tune_table.QK_N) * len(qk_ms)
+    assert got["qk"]["timings"] == 12 * got["qk"]["points"]  # 6 forward halves + 6 backward halves
+    default = tune_table.sweep_args(tune_table.build_parser().parse_args([]))[0]
+    assert default == ["forward", "backward"]
+
+
+def test_the_qk_winner_takes_the_best_half_each_way_on_fake_timings(tune_table):
+    cands = tuning.candidates("qk", 32768, 128, BF16, SMS)
+    base = cands[0]
+    gbps = {label: 100.0 for c in cands for label in tune_table.timed_parts("qk", [c])}
+    fast_fwd = next(
+        c for c in cands if c.fwd_tile_m == 2 * base.fwd_tile_m and c.fwd_blocks_per_sm == base.fwd_blocks_per_sm
+    )
+    fast_bwd = next(
+        c for c in cands if c.bwd_tile_m == base.bwd_tile_m // 2 and c.bwd_blocks_per_sm == 2 * base.bwd_blocks_per_sm
+    )
+    gbps[tuning.qk_half_label(fast_fwd, "fwd")] = 110.0
+    gbps[tuning.qk_half_label(fast_bwd, "bwd")] = 100.5  # within the 1% margin: the heuristics' half stays
+    won = tune_table.qk_winner(cands, gbps, 0.01)
+    assert (won.fwd_tile_m, won.fwd_blocks_per_sm) == (2 * base.fwd_tile_m, base.fwd_blocks_per_sm)
+    assert (won.bwd_tile_m, won.bwd_blocks_per_sm) == (base.bwd_tile_m, base.bwd_blocks_per_sm)
+    gbps[tuning.qk_half_label(fast_bwd, "bwd")] = 120.0
+    won = tune_table.qk_winner(cands, gbps, 0.01)
+    assert (won.bwd_tile_m, won.bwd_blocks_per_sm) == (base.bwd_tile_m // 2, 2 * base.bwd_blocks_per_sm)
+    assert won not in cands  # a pair never timed together: the halves are independent launches
+    tuning.Table(one_entry("qk", "bf16", 128, won, m=32768))  # a valid table entry
+
+
+def test_overlay_with_the_shipped_table_as_base_keeps_its_measured_entries(tune_table, tmp_path):
+    shipped_path = REPO / "tilegym_rms/cutile/tuning/sm90_132sm.json"
+    shipped_doc = json.loads(shipped_path.read_text())
+    base_path = tmp_path / "sm90_132sm.json"
+    base_path.write_text(shipped_path.read_text())
+    sweep = tuning.new_doc("sm90_132sm", "H100", (9, 0), SMS, "measured", "sweep 2")
+    fused = asdict(config.forward_candidate(4096, 5120, BF16, SMS, "gather"))
+    tuning.set_runs(sweep, "fused_forward", "bf16", 5120, [{"m": 4096, "winner": fused, "gbps": {"g": 1.0}}])
+    tuning.set_runs(sweep, "qk", "bf16", 64, [{"m": 32768, "winner": asdict(QK_ODD), "gbps": {"fwd": 1.0}}])
+    sweep_path = tmp_path / "sweep2.json"
+    sweep_path.write_text(json.dumps(sweep))
+    assert tune_table.main(["--overlay", str(sweep_path), "--base", str(base_path), "--out", str(base_path)]) == 0
+    out = json.loads(base_path.read_text())
+    assert out["forward"] == shipped_doc["forward"] and out["backward"] == shipped_doc["backward"]
+    table = tuning.load(out)
+    assert asdict(table.lookup("fused_forward", 4096, 5120, BF16)) == fused
+    assert table.lookup("qk", 32768, 64, BF16) == QK_ODD
+    assert table.lookup("fused_forward", 4096, 4096, BF16) is None  # not measured: the forward's entry rules
+    assert next(table.winners("fused_forward", 4096, 4096, BF16)) == table.lookup("forward", 4096, 4096, BF16)
+    # without --base the sweep lands on the analytic table: the shipped measured winners would be lost
+    analytic_out = tmp_path / "analytic.json"
+    assert tune_table.main(["--overlay", str(sweep_path), "--out", str(analytic_out)]) == 0
+    assert json.loads(analytic_out.read_text())["forward"] != shipped_doc["forward"]

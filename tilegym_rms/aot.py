@@ -146,16 +146,20 @@ FUSED_ADD_DTYPES = (
 FUSED_ADD_N = (1000, 5120, 65536)
 
 
-def fused_add_variants_for(m: int, n: int, dtype, residual_dtype, num_sms: int = REFERENCE_SMS) -> list[Variant]:
-    """The variants a fused add of ``(m, n)`` launches: each forward kernel forced, in modes "pre" and "post"
-    (1, 2: the kernels' ADD), and the backward adding the gradient of residual_out (``HAS_DRES``), which
-    runs on the sum (``residual_dtype``). Llama casting with a weight of x's dtype."""
+def fused_add_variants_for(
+    m: int, n: int, dtype, residual_dtype, num_sms: int = REFERENCE_SMS, kernels=config.FORWARD_KERNELS, table=None
+) -> list[Variant]:
+    """The variants a fused add of ``(m, n)`` launches: the forward in each of ``kernels`` (None: the
+    dispatcher's choice), in modes "pre" and "post" (1, 2: the kernels' ADD), and the backward adding the
+    gradient of residual_out (``HAS_DRES``), which runs on the sum (``residual_dtype``). Llama casting with
+    a weight of x's dtype. ``table``: a tuning table whose winners the configs follow (the forward's
+    ``fused_forward`` entry, then its ``forward`` one, as the host)."""
     found, add = _collector()
     full = dtype == residual_dtype == torch.bfloat16
     x2, w1, r2 = _arr(dtype, 2), _arr(dtype, 1), _arr(residual_dtype, 2)
-    for kernel in config.FORWARD_KERNELS:
+    for kernel in kernels:
         try:
-            f = config.forward_config(m, n, dtype, num_sms, kernel)
+            f = config.forward_config(m, n, dtype, num_sms, kernel, table, "fused_forward")
         except ValueError:
             continue
         for mode in (1, 2) if full else (1,):
@@ -164,7 +168,8 @@ def fused_add_variants_for(m: int, n: int, dtype, residual_dtype, num_sms: int =
                 rstd = _arr(_F32, 1) if store else x2
                 name, args = _forward_variant(f, x2, w1, rstd, r2, res_out, 0, True, store, mode)
                 add(name, *args, hints=f.hints)
-    _backward_variants(config.backward_config(m, n, residual_dtype, num_sms), residual_dtype, True, True, add)
+    b = config.backward_config(m, n, residual_dtype, num_sms, table)
+    _backward_variants(b, residual_dtype, True, True, add)
     return list(found)
 
 
@@ -194,8 +199,9 @@ def variants() -> list[Variant]:
 def table_variants() -> list[Variant]:
     """The variants the shipped tuning tables' measured winners launch (bench/tune_table.py may pick tiles,
     hints and kernels the heuristics never do; analytic entries are the heuristics', covered above): a
-    training call's variants at each measured run. A winner's constants do not depend on N within its
-    bucket, so the bucket's own width stands for every N in it."""
+    training call's variants at each measured run (the fused forward's: both modes, x and the residual of
+    one dtype). A winner's constants do not depend on N within its bucket, so the bucket's own width stands
+    for every N in it."""
     from .cutile import tuning
 
     found: dict[Variant, None] = {}
@@ -203,11 +209,19 @@ def table_variants() -> list[Variant]:
         table = tuning.packaged(key)
         sms = table.doc["device"]["sms"]
         for op in tuning.OPS:
-            for dt, by_n in table.doc[op].items():
+            for dt, by_n in table.doc.get(op, {}).items():
+                dtype = tuning.DTYPES[dt]
                 for n_b, runs in by_n.items():
                     for run in (r for r in runs if "gbps" in r):
-                        args = (run["m"], int(n_b), tuning.DTYPES[dt], sms, (None,), False, table)
-                        found.update(dict.fromkeys(variants_for(*args)))
+                        if op == "fused_forward":
+                            more = fused_add_variants_for(run["m"], int(n_b), dtype, dtype, sms, (None,), table)
+                        elif op == "qk":  # the rows only set the grid here: the winner gives the tiles
+                            entry = table.lookup(op, run["m"], int(n_b), dtype)
+                            m_k = max(1, run["m"] // (QK_HEADS_RATIO + 1))
+                            more = qk_variants_for(m_k, int(n_b), dtype, sms, False, entry)
+                        else:
+                            more = variants_for(run["m"], int(n_b), dtype, sms, (None,), False, table)
+                        found.update(dict.fromkeys(more))
     return list(found)
 
 
@@ -221,12 +235,14 @@ QK_REPRESENTATIVE_D = (64, 128, 256)
 QK_HEADS_RATIO = 4
 
 
-def qk_variants_for(m: int, d: int, dtype, num_sms: int = REFERENCE_SMS, every_path: bool = True) -> list[Variant]:
+def qk_variants_for(
+    m: int, d: int, dtype, num_sms: int = REFERENCE_SMS, every_path: bool = True, entry=None
+) -> list[Variant]:
     """The qk kernel variants for ``m`` rows of k (``QK_HEADS_RATIO * m`` of q) of head dim ``d``: forward,
     backward and the dw reduction; with ``every_path``, every casting mode and the no-weight variants on
-    bf16 (as :func:`variants_for`)."""
+    bf16 (as :func:`variants_for`). ``entry``: a tuning table's qk winner (None: the heuristics)."""
     found: dict[Variant, None] = {}
-    cfg = config.qk_config(QK_HEADS_RATIO * m, m, d, dtype, num_sms)
+    cfg = config.qk_config(QK_HEADS_RATIO * m, m, d, dtype, num_sms, entry)
     x3, w1, r2 = _arr(dtype, 3), _arr(dtype, 1), _arr(_F32, 2)
     combos = ((0, True, True), (1, True, True), (2, True, True), (0, False, False), (0, True, False))
     for cast, has_wq, has_wk in combos if dtype == torch.bfloat16 and every_path else combos[:1]:

@@ -90,12 +90,13 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=4096)
-def _forward_config(device_index, m, n, dtype, kernel):
+def _forward_config(device_index, m, n, dtype, kernel, op="forward"):
     from .launch import num_sms
 
-    # Tiles come from M's bucket (a new M compiles nothing new); the grid follows the real M.
+    # Tiles come from M's bucket (a new M compiles nothing new); the grid follows the real M. ``op``
+    # "fused_forward": the fused add's own table entry first (it moves twice the bytes per row).
     table = tuning.table_for(device_index)
-    cfg = config.forward_config(config.m_bucket(m), n, dtype, num_sms(device_index), kernel, table)
+    cfg = config.forward_config(config.m_bucket(m), n, dtype, num_sms(device_index), kernel, table, op)
     grid = m if cfg.kernel == "gather" else min(cfg.grid, config.cdiv(m, cfg.tile_m))
     return dataclasses.replace(cfg, grid=grid)
 
@@ -145,10 +146,10 @@ class _ForwardLaunch:
 
 @functools.lru_cache(maxsize=4096)
 def _forward_launch(device_index, m, n, dtype, kernel, casting_mode, has_w, store_rstd, add) -> _ForwardLaunch:
-    # The fused add takes the plain norm's configuration for x's (M, N, dtype): it moves more bytes per
-    # row, but has not been tuned on its own yet.
+    # The fused add (both modes) looks up its own table entry for x's (M, N, dtype), then the plain
+    # norm's (tuning.FALLBACK): cached apart, since the two may differ.
     k = _kernels()
-    cfg = _forward_config(device_index, m, n, dtype, kernel)
+    cfg = _forward_config(device_index, m, n, dtype, kernel, "fused_forward" if add != _ADD_NONE else "forward")
     cast = CASTING_CODES[casting_mode]
     if cfg.kernel == "gather":
         constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd, add)
@@ -259,7 +260,9 @@ def _backward(x, dy, dres, weight, rstd, offset):
 def _qk_config(device_index, m_q, m_k, d, dtype):
     from .launch import num_sms
 
-    return config.qk_config(m_q, m_k, d, dtype, num_sms(device_index))
+    table = tuning.table_for(device_index)
+    entry = table.lookup("qk", m_q + m_k, d, dtype) if table is not None else None
+    return config.qk_config(m_q, m_k, d, dtype, num_sms(device_index), entry)
 
 
 def _tile_rows_along_dim0(*views):

@@ -305,13 +305,15 @@ def build_forward(cand: ForwardCandidate, m: int, n: int, num_sms: int) -> Forwa
 
 
 def forward_config(
-    m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None, table=None
+    m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None, table=None, op: str = "forward"
 ) -> ForwardConfig:
     """Chooses the forward kernel and its tiles: the tuning ``table``'s winner for the bucket of ``(m, n,
-    dtype)`` (a :class:`.tuning.Table`), else the analytic heuristics. ``kernel`` forces one ("gather" /
-    "persistent"); a table winner of the other kernel then gives way to the heuristics."""
-    cand = table.lookup("forward", m, n, dtype) if table is not None else None
-    if cand is None or kernel not in (None, cand.kernel):
+    dtype)`` (a :class:`.tuning.Table`), else the analytic heuristics. ``op`` "fused_forward" (the fused
+    residual add) takes its own entry first, then the plain forward's. ``kernel`` forces one ("gather" /
+    "persistent"); a table winner of the other kernel then gives way to the next in that order."""
+    winners = table.winners(op, m, n, dtype) if table is not None else ()
+    cand = next((c for c in winners if kernel in (None, c.kernel)), None)
+    if cand is None:
         cand = forward_candidate(m, n, dtype, num_sms, kernel)
     return build_forward(cand, m, n, num_sms)
 
@@ -401,27 +403,58 @@ def _qk_tile_m(rows: int, tile_n: int, target_elems: int, num_sms: int, p: Heuri
     return max(p.qk_min_tile_m, min(p.qk_max_tile_m, by_size, by_rows))
 
 
-def qk_config(m_q: int, m_k: int, d: int, dtype: torch.dtype, num_sms: int) -> QKConfig:
-    """Tiles, grids and hints of the qk kernels for ``m_q`` rows of q and ``m_k`` rows of k (tiles from
-    the rows' power-of-two bucket; the grid follows the real row counts)."""
-    p = HEURISTICS
+@dataclass(frozen=True)
+class QKCandidate:
+    """The tunable choices of the qk kernels (see :class:`ForwardCandidate`): rows per tile, blocks per SM
+    and the occupancy hint (0: the compiler's choice), forward and backward. The tile is always one head
+    wide (TILE_N = next_pow2(D))."""
+
+    fwd_tile_m: int
+    bwd_tile_m: int
+    fwd_blocks_per_sm: int
+    bwd_blocks_per_sm: int
+    fwd_occupancy: int
+    bwd_occupancy: int
+
+
+def qk_candidate(rows: int, d: int, dtype: torch.dtype, num_sms: int, params: Heuristics | None = None) -> QKCandidate:
+    """The analytic heuristics' qk choice for ``rows`` rows of q and k together (their power-of-two
+    bucket) of head dim ``d``."""
+    p = params or HEURISTICS
     del dtype  # tiles are counted in elements: the 16-bit and fp32 settings have not been told apart yet
+    tile_n, bucket = next_pow2(d), m_bucket(rows)
+    return QKCandidate(
+        _qk_tile_m(bucket, tile_n, p.qk_fwd_tile_elems, num_sms, p),
+        _qk_tile_m(bucket, tile_n, p.qk_bwd_tile_elems, num_sms, p),
+        p.qk_fwd_blocks_per_sm,
+        p.qk_bwd_blocks_per_sm,
+        p.qk_fwd_occupancy,
+        p.qk_bwd_occupancy,
+    )
+
+
+def qk_config(
+    m_q: int, m_k: int, d: int, dtype: torch.dtype, num_sms: int, entry: QKCandidate | None = None
+) -> QKConfig:
+    """Tiles, grids and hints of the qk kernels for ``m_q`` rows of q and ``m_k`` rows of k: the tuning
+    table's ``entry`` for the bucket (:meth:`.tuning.Table.lookup` of "qk" at ``m_q + m_k`` rows, head dim
+    ``d``), else the analytic heuristics (tiles from the rows' power-of-two bucket). The grid follows the
+    real row counts."""
+    p = HEURISTICS
     tile_n = next_pow2(d)
     if tile_n > p.qk_max_tile_n:
         raise ValueError(f"qk_rms_norm's cuTile kernels take head dims of at most {p.qk_max_tile_n}, got {d}")
-    bucket = m_bucket(m_q + m_k)
-    fwd_m = _qk_tile_m(bucket, tile_n, p.qk_fwd_tile_elems, num_sms, p)
-    bwd_m = _qk_tile_m(bucket, tile_n, p.qk_bwd_tile_elems, num_sms, p)
+    c = entry or qk_candidate(m_q + m_k, d, dtype, num_sms)
 
     def grid(tile_m, blocks_per_sm):  # never more blocks than row tiles
         return max(1, min(num_sms * blocks_per_sm, cdiv(m_q, tile_m) + cdiv(m_k, tile_m)))
 
     return QKConfig(
         tile_n,
-        fwd_m,
-        bwd_m,
-        grid(fwd_m, p.qk_fwd_blocks_per_sm),
-        grid(bwd_m, p.qk_bwd_blocks_per_sm),
-        _hints(occupancy=p.qk_fwd_occupancy),
-        _hints(occupancy=p.qk_bwd_occupancy),
+        c.fwd_tile_m,
+        c.bwd_tile_m,
+        grid(c.fwd_tile_m, c.fwd_blocks_per_sm),
+        grid(c.bwd_tile_m, c.bwd_blocks_per_sm),
+        _hints(occupancy=c.fwd_occupancy),
+        _hints(occupancy=c.bwd_occupancy),
     )

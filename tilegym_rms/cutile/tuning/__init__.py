@@ -17,7 +17,7 @@ Schema (``"schema": 1``)::
       "source": "analytic" | "measured" | "mixed",
       "generated_by": "the command line that wrote it",
       "copy_gbps": 2990.0,                        # measured tables: the card's copy bandwidth
-      "forward": {                                # and "backward", same shape
+      "forward": {                                # and "backward", "fused_forward", same shape
         "bf16": {                                 # "bf16", "fp16", "fp32"
           "4096": [                               # an N bucket point
             {"m": 1, "winner": {...}},            # from M bucket 1 on ...
@@ -31,6 +31,17 @@ the first run take the first run). A forward winner has the fields of :class:`..
 backward winner those of :class:`..config.BackwardCandidate` (``plan`` instead of ``kernel``). Loading
 checks every winner against every N of its bucket (tiles that cover the row, widths that fit a block) and
 raises :class:`TuningTableError` saying which entry is wrong.
+
+Ops. ``forward`` and ``backward``: the plain norm (the analytic table writes both at every bucket).
+``fused_forward``: the forward with the fused residual add (``fused_add_forward``, both modes), forward
+winners measured with mode "pre" (twice the plain forward's traffic per row). Optional: where it has no
+entry the host takes the ``forward`` entry, then the heuristics (:data:`FALLBACK`); the analytic table never
+writes it (absence means "as the plain forward"). ``qk``: the qk kernels (``qk_rms_norm``), keyed by the
+head dim's N bucket (64, 96, 128, 256, ... up to ``Heuristics.qk_max_tile_n``) and by the M bucket of the
+rows of q and k together; a winner has the fields of :class:`..config.QKCandidate` (``fwd_tile_m``,
+``bwd_tile_m``, ``fwd_blocks_per_sm``, ``bwd_blocks_per_sm``, ``fwd_occupancy``, ``bwd_occupancy``), its
+run's ``gbps`` keyed by each half's label (``"fwd 32r b8 o2"``, ``"bwd ..."``: the sweep times the forward
+and the backward apart). Optional too: absent, the heuristics (``config.qk_config``).
 
 Choosing the table: ``TILEGYM_RMS_TUNING`` (read once, at the first launch) is a path to a table used on
 every device, or ``off`` for the analytic heuristics everywhere; unset, the device's packaged table. In
@@ -51,14 +62,26 @@ from pathlib import Path
 import torch
 
 from .. import config
-from ..config import BackwardCandidate, ForwardCandidate
+from ..config import BackwardCandidate, ForwardCandidate, QKCandidate
 
 SCHEMA = 1
 ENV = "TILEGYM_RMS_TUNING"
-OPS = ("forward", "backward")
+OPS = ("forward", "backward", "fused_forward", "qk")
+# The ops the analytic table writes at every bucket; the others are optional, absent unless measured.
+ANALYTIC_OPS = ("forward", "backward")
+# Where an op's lookup goes when the table has no entry for it (then the analytic heuristics).
+FALLBACK = {"fused_forward": "forward"}
+FORWARD_OPS = ("forward", "fused_forward")  # ops whose winners are ForwardCandidates
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-CANDIDATE_TYPES = {"forward": ForwardCandidate, "backward": BackwardCandidate}
+CANDIDATE_TYPES = {
+    "forward": ForwardCandidate,
+    "backward": BackwardCandidate,
+    "fused_forward": ForwardCandidate,
+    "qk": QKCandidate,
+}
+# The first field of a winner, its kernel or plan, takes one of these; the qk winner has none.
+KINDS = {"forward": config.FORWARD_KERNELS, "fused_forward": config.FORWARD_KERNELS, "backward": config.BACKWARD_PLANS}
 N_BUCKETS = (
     (64, 96)
     + tuple(range(128, 8192 + 1, 128))
@@ -70,6 +93,9 @@ M_BUCKET_MAX = 1 << 22
 M_BUCKETS = tuple(1 << i for i in range(23))
 MAX_TILE_M = 64  # a sanity bound on table entries: the heuristics stay at 16
 MAX_WARPS = 32
+# A qk tile (rows x next_pow2(D)) holds at most this many elements: the widest tile the forward kernels keep
+# in registers (Heuristics.fwd_max_single_tile_n); the heuristics stay at 16384.
+QK_MAX_TILE_ELEMS = 32768
 
 
 class TuningTableError(ValueError):
@@ -95,10 +121,28 @@ def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
+def _qk_candidate_error(cand: QKCandidate, n_b: int, p: config.Heuristics) -> str | None:
+    if n_b > p.qk_max_tile_n:
+        return f"qk: no qk kernel takes head dims above {p.qk_max_tile_n} (bucket {n_b})"
+    tile_n = config.next_pow2(n_b)
+    for side in ("fwd", "bwd"):
+        tile_m, blocks, occupancy = (getattr(cand, f"{side}_{k}") for k in ("tile_m", "blocks_per_sm", "occupancy"))
+        if not _pow2(tile_m) or tile_m * tile_n > QK_MAX_TILE_ELEMS:
+            return (
+                f"qk: {side}_tile_m {tile_m} must be a power of two with {side}_tile_m x {tile_n} columns "
+                f"<= {QK_MAX_TILE_ELEMS} elements"
+            )
+        if blocks < 1 or occupancy < 0:
+            return f"qk: {side}_blocks_per_sm {blocks} must be >= 1 and {side}_occupancy {occupancy} >= 0"
+    return None
+
+
 def candidate_error(op: str, cand, n_b: int) -> str | None:
     """Why ``cand`` cannot serve every N of bucket ``n_b``, or None. The bounds are the hard limits of the
     kernels (registers of a row tile), from the default heuristics."""
     p = config.Heuristics()
+    if op == "qk":
+        return _qk_candidate_error(cand, n_b, p)
     hi = n_b
     hints_ok = cand.occupancy >= 0 and cand.num_worker_warps in (0, *(1 << i for i in range(6)))
     if not hints_ok or cand.num_worker_warps > MAX_WARPS:
@@ -107,7 +151,7 @@ def candidate_error(op: str, cand, n_b: int) -> str | None:
         return f"tile_m {cand.tile_m} and tile_n {cand.tile_n} must be powers of two (tile_m <= {MAX_TILE_M})"
     if cand.tail_n and not (_pow2(cand.tail_n) and cand.tail_n < cand.tile_n):
         return f"tail_n {cand.tail_n} must be 0 or a power of two narrower than tile_n"
-    kind = cand.kernel if op == "forward" else cand.plan
+    kind = cand.kernel if op in FORWARD_OPS else cand.plan
     if kind in ("gather", "direct"):
         if cand.blocks_per_sm or cand.tail_n:
             return f"{kind}: blocks_per_sm and tail_n must be 0 (one block per row or row tile)"
@@ -120,7 +164,7 @@ def candidate_error(op: str, cand, n_b: int) -> str | None:
         return None
     if kind == "chunked":
         return None
-    widest = p.fwd_max_persistent_tile_n if op == "forward" else p.bwd_max_single_tile_n
+    widest = p.fwd_max_persistent_tile_n if op in FORWARD_OPS else p.bwd_max_single_tile_n
     if cand.tile_n > widest:
         return f"{kind}: tile_n {cand.tile_n} wider than {widest}"
     if cand.tile_n + cand.tail_n < hi:
@@ -133,12 +177,12 @@ def _candidate(op: str, raw, where: str):
     names = [f.name for f in fields(cls)]
     if not isinstance(raw, dict) or set(raw) != set(names):
         raise TuningTableError(f"{where}: a {op} winner has exactly the fields {names}, got {raw!r}")
-    kinds = config.FORWARD_KERNELS if op == "forward" else config.BACKWARD_PLANS
-    kind = raw[names[0]]
-    if kind not in kinds:
-        raise TuningTableError(f"{where}: {names[0]} must be one of {kinds}, got {kind!r}")
-    if not all(type(raw[k]) is int for k in names[1:]):
-        raise TuningTableError(f"{where}: {', '.join(names[1:])} must be integers, got {raw!r}")
+    kinds = KINDS.get(op)
+    if kinds and raw[names[0]] not in kinds:
+        raise TuningTableError(f"{where}: {names[0]} must be one of {kinds}, got {raw[names[0]]!r}")
+    ints = names[1:] if kinds else names
+    if not all(type(raw[k]) is int for k in ints):
+        raise TuningTableError(f"{where}: {', '.join(ints)} must be integers, got {raw!r}")
     return cls(**raw)
 
 
@@ -200,6 +244,15 @@ class Table:
             return None
         m_b = m_bucket(m)
         return next((c for start, c in reversed(runs) if start <= m_b), runs[0][1])
+
+    def winners(self, op: str, m: int, n: int, dtype: torch.dtype):
+        """The winners for ``(m, n, dtype)`` along ``op``'s fallback chain (:data:`FALLBACK`: the fused
+        forward's entry, then the forward's), ops without an entry skipped."""
+        while op is not None:
+            cand = self.lookup(op, m, n, dtype)
+            if cand is not None:
+                yield cand
+            op = FALLBACK.get(op)
 
 
 def load(source) -> Table:
@@ -291,10 +344,18 @@ def _set(choice) -> None:
 
 
 def label(op: str, cand) -> str:
-    """A candidate in one short string (the keys of a run's ``gbps``)."""
-    kind = cand.kernel if op == "forward" else cand.plan
+    """A candidate in one short string (the keys of a run's ``gbps``; a qk candidate: its two halves')."""
+    if op == "qk":
+        return " | ".join(qk_half_label(cand, side) for side in ("fwd", "bwd"))
+    kind = cand.kernel if op in FORWARD_OPS else cand.plan
     tail = f"+{cand.tail_n}" if cand.tail_n else ""
     return f"{kind} {cand.tile_m}x{cand.tile_n}{tail} b{cand.blocks_per_sm} o{cand.occupancy} w{cand.num_worker_warps}"
+
+
+def qk_half_label(cand: QKCandidate, side: str) -> str:
+    """The forward ("fwd") or backward ("bwd") half of a qk candidate, e.g. ``"fwd 32r b8 o2"``."""
+    tile_m, blocks, occupancy = (getattr(cand, f"{side}_{k}") for k in ("tile_m", "blocks_per_sm", "occupancy"))
+    return f"{side} {tile_m}r b{blocks} o{occupancy}"
 
 
 def new_doc(key: str, name: str, capability, sms: int, source: str, generated_by: str) -> dict:
@@ -303,21 +364,22 @@ def new_doc(key: str, name: str, capability, sms: int, source: str, generated_by
         "device": {"key": key, "name": name, "capability": list(capability), "sms": sms},
         "source": source,
         "generated_by": generated_by,
-        "forward": {},
-        "backward": {},
+        **{op: {} for op in OPS},
     }
 
 
 def set_runs(doc: dict, op: str, dtype: str, n_b: int, runs: list[dict]) -> None:
-    doc[op].setdefault(dtype, {})[str(n_b)] = sorted(runs, key=lambda r: r["m"])
+    doc.setdefault(op, {}).setdefault(dtype, {})[str(n_b)] = sorted(runs, key=lambda r: r["m"])
 
 
 def analytic_runs(op: str, dtype: torch.dtype, n_b: int, sms: int) -> list[dict]:
     """The analytic heuristics' choice at every M bucket of ``n_b``, as runs (equal neighbours merged)."""
     runs = []
     for m in M_BUCKETS:
-        if op == "forward":
+        if op in FORWARD_OPS:
             cand = config.forward_candidate(m, n_b, dtype, sms)
+        elif op == "qk":
+            cand = config.qk_candidate(m, n_b, dtype, sms)
         else:
             cand = config.backward_candidate(m, n_b, dtype, sms)
         if not runs or runs[-1]["winner"] != asdict(cand):
@@ -328,7 +390,7 @@ def analytic_runs(op: str, dtype: torch.dtype, n_b: int, sms: int) -> list[dict]
 def analytic_doc(key: str, name: str, capability, sms: int, generated_by: str) -> dict:
     """A table holding the analytic heuristics' decisions at every bucket point (``"source": "analytic"``)."""
     doc = new_doc(key, name, capability, sms, "analytic", generated_by)
-    for op in OPS:
+    for op in ANALYTIC_OPS:
         for dt, dtype in DTYPES.items():
             for n_b in N_BUCKETS:
                 set_runs(doc, op, dt, n_b, analytic_runs(op, dtype, n_b, sms))
@@ -347,7 +409,16 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int) -> lis
         if cand not in out and candidate_error(op, cand, n_b) is None:
             out.append(cand)
 
-    if op == "forward":
+    if op == "qk":  # each half: half, the same or twice the rows per tile, once or twice the blocks per SM
+        base = config.qk_candidate(m_b, n_b, dtype, sms)
+        add(base)
+        for side in ("fwd", "bwd"):
+            tile_m, blocks = getattr(base, f"{side}_tile_m"), getattr(base, f"{side}_blocks_per_sm")
+            for t in (max(1, tile_m // 2), tile_m, tile_m * 2):
+                for b in (blocks, blocks * 2):
+                    add(replace(base, **{f"{side}_tile_m": t, f"{side}_blocks_per_sm": b}))
+        return out
+    if op in FORWARD_OPS:  # the fused forward tries the plain forward's candidates
         add(config.forward_candidate(m_b, n_b, dtype, sms))
         for kernel in config.FORWARD_KERNELS:
             try:
@@ -398,7 +469,7 @@ def merge(base: dict, new: dict) -> dict:
     for op in OPS:
         for dt, by_n in new.get(op, {}).items():
             for key, runs in by_n.items():
-                old = out[op].get(dt, {}).get(key)
+                old = out.get(op, {}).get(dt, {}).get(key)
                 if old is not None and measured(old) and measured(runs):
                     runs = list({r["m"]: r for r in old + runs}.values())
                 set_runs(out, op, dt, int(key), runs)
@@ -411,29 +482,40 @@ def _winner_at(runs: list[dict], m_b: int) -> dict:
     return next((r["winner"] for r in reversed(runs) if r["m"] <= m_b), runs[0]["winner"])
 
 
-def overlay(analytic: dict, sweep: dict) -> dict:
-    """A sparse sweep (a few M buckets) laid over the analytic table, M bucket by M bucket: a measured
-    winner stands for the buckets above its own only while the analytic choice there stays the one it
-    was measured against (so M buckets where the heuristics switch kernel, e.g. to the gather forward at
-    many rows, keep their switch), and buckets below the first measured one stay analytic. A measured
-    (op, dtype, N) without an analytic entry is taken as it is."""
-    out = merge(analytic, {**sweep, "forward": {}, "backward": {}})
-    for op in OPS:
+def _reference_runs(doc: dict, op: str, dt: str, key: str) -> list[dict]:
+    """The runs the host would follow for (op, dtype, N) in ``doc`` without a new measurement: the op's
+    own entry, else its fallback's (:data:`FALLBACK`), else the analytic heuristics'."""
+    while True:
+        runs = doc.get(op, {}).get(dt, {}).get(key)
+        if runs:
+            return runs
+        if op not in FALLBACK:
+            return analytic_runs(op, DTYPES[dt], int(key), doc["device"]["sms"])
+        op = FALLBACK[op]
+
+
+def overlay(base: dict, sweep: dict) -> dict:
+    """A sparse sweep (a few M buckets) laid over ``base`` (the analytic table, or a shipped table whose
+    other entries must stay), M bucket by M bucket: a measured winner stands for the buckets above its own
+    only while the base's choice there stays the one it was measured against (so M buckets where the
+    heuristics switch kernel, e.g. to the gather forward at many rows, keep their switch), and buckets
+    below the first measured one keep the base's choice. For an op without a base entry the base is what
+    the host would fall back to: the fused forward the forward's entry (already overlaid), the qk op and
+    the rest the analytic heuristics. Entries the sweep did not measure stay as in ``base``."""
+    out = merge(base, {**sweep, **{op: {} for op in OPS}})
+    for op in OPS:  # in order: the forward is overlaid before the fused forward falls back to it
         for dt, by_n in sweep.get(op, {}).items():
             for key, measured_runs in by_n.items():
-                base = out[op].get(dt, {}).get(key)
-                if not base:
-                    set_runs(out, op, dt, int(key), measured_runs)
-                    continue
+                ref_runs = _reference_runs(out, op, dt, key)
                 points = {r["m"]: r for r in measured_runs}
                 runs: list[dict] = []
                 for m_b in M_BUCKETS:
                     below = [r for r in measured_runs if r["m"] <= m_b]
                     ref = below[-1] if below else None
-                    if ref is not None and _winner_at(base, m_b) == _winner_at(base, ref["m"]):
+                    if ref is not None and _winner_at(ref_runs, m_b) == _winner_at(ref_runs, ref["m"]):
                         winner = ref["winner"]
                     else:
-                        winner = _winner_at(base, m_b)
+                        winner = _winner_at(ref_runs, m_b)
                     if m_b in points:
                         runs.append(points[m_b])  # kept whole: its timings document the choice
                     elif not runs or runs[-1]["winner"] != winner:
@@ -452,7 +534,8 @@ def dumps(doc: dict) -> str:
     """JSON with one line per (op, dtype, N): small diffs when a sweep changes a few buckets."""
     head = {k: v for k, v in doc.items() if k not in OPS}
     lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
-    for i, op in enumerate(OPS):
+    ops = [op for op in OPS if op in doc]  # an optional op never measured stays out of the file
+    for i, op in enumerate(ops):
         lines.append(f'  "{op}": {{')
         dts = list(doc.get(op, {}).items())
         for j, (dt, by_n) in enumerate(dts):
@@ -461,7 +544,7 @@ def dumps(doc: dict) -> str:
             for k, (key, runs) in enumerate(items):
                 lines.append(f'      "{key}": {json.dumps(runs)}' + ("," if k < len(items) - 1 else ""))
             lines.append("    }" + ("," if j < len(dts) - 1 else ""))
-        lines.append("  }" + ("," if i < len(OPS) - 1 else ""))
+        lines.append("  }" + ("," if i < len(ops) - 1 else ""))
     return "\n".join(lines + ["}"]) + "\n"
 
 
@@ -472,6 +555,18 @@ def write(doc: dict, path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(dumps(doc))
     os.replace(tmp, path)
+
+
+# The qk sweep's shapes: q of QK_SWEEP_HEADS[0] heads and k of QK_SWEEP_HEADS[1] per token (GQA, as the
+# benchmarks' qk_norm measure): k holds a fifth of the rows, q four fifths.
+QK_SWEEP_HEADS = (16, 4)
+
+
+def qk_sweep_tokens(m_b: int) -> int:
+    """Tokens (groups G of the ``(G, H, D)`` views) whose q and k rows together fall in M bucket ``m_b``,
+    or 0 where none do (fewer than 32 rows)."""
+    tokens = m_b // sum(QK_SWEEP_HEADS)
+    return tokens if tokens and m_bucket(tokens * sum(QK_SWEEP_HEADS)) == m_b else 0
 
 
 def sweep_points(dtypes: Iterable[str], ns: Iterable[int], ms: Iterable[int]):
