@@ -29,7 +29,7 @@ def test_variants_cover_every_kernel():
 
 def test_arithmetic_axes_are_compiled_for_every_kernel_class():
     """Each casting mode, the no-weight and (gather) the no-rstd forward, and the no-weight backward, appear
-    for both forward kernels and each backward plan's kernel: the axes EVERY_PATH_N keeps to a few widths."""
+    for both forward kernels and each backward plan's kernel: the axes TILE_CLASS_N keeps to a few widths."""
     vs = aot.variants()
     for name in ("rms_norm_fwd_gather", "rms_norm_fwd_persistent"):
         fwd = [v for v in vs if v.kernel_name == name and v.params[-1] == 0]  # ADD = 0: the plain norm

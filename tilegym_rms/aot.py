@@ -4,7 +4,7 @@ Needs no GPU, only ``cuda-tile`` and the matched tileiras toolchain. Run it as
 ``python -m tilegym_rms.aot [--arch sm_90 ...]`` or ``tilegym-rms aot``: it prints a table and
 exits non-zero on any failure. The variants come from the same heuristics the dispatcher uses
 (:mod:`tilegym_rms.cutile.config`) and the shipped tuning tables, over a representative set of hidden
-sizes (the casting-mode, no-weight and no-rstd variants at one width per tile class, ``EVERY_PATH_N``).
+sizes (the arithmetic-only axes, other dtypes than bf16 included, at one width per tile class, ``TILE_CLASS_N``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
 # tile (chunked kernels).
 REPRESENTATIVE_N = (64, 1000, 4096, 5120, 8192, 12288, 16384, 32768, 65536)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The casting-mode, no-weight and no-rstd axes change a kernel's arithmetic, not its tiles: they are
-# compiled at these widths only, one per tile class (a narrow single tile, a tile plus a tail tile at two
-# widths, column chunks), which keeps the check within CI's time (four archs on two cores).
-EVERY_PATH_N = (64, 5120, 12288, 65536)
+# One width per tile class: a narrow single tile, a tile plus a tail tile at two widths, column chunks.
+# The axes that change a kernel's arithmetic but not its tiles are compiled at these widths only: the
+# casting-mode, no-weight and no-rstd switches, and the dtypes other than bf16 (the dtype LLMs train and
+# serve in gets every width). That keeps the check within CI's time: four archs on two cores.
+TILE_CLASS_N = (64, 5120, 12288, 65536)
 # Large and small M reach both forward kernels; SM count of an H100 (the heuristics scale with it).
 REPRESENTATIVE_M = (128, 65536)
 REFERENCE_SMS = 132
@@ -136,7 +137,7 @@ def variants_for(
 # The fused residual add: (x dtype, residual dtype) pairs, the fp32 residual stream included, over widths
 # that reach a single tile, a tile plus a tail tile and the chunked kernels. Representative rather than
 # exhaustive (the variants of the plain norm cover the tile shapes): every mode and the no-rstd forward
-# on bf16 only.
+# on bf16 only, and the other dtype pairs at the tile-plus-tail width (5120) only.
 FUSED_ADD_DTYPES = (
     (torch.bfloat16, torch.bfloat16),
     (torch.float16, torch.float16),
@@ -177,11 +178,11 @@ def variants() -> list[Variant]:
     """The distinct kernel variants reachable from the dispatcher over the representative grid."""
     found: dict[Variant, None] = dict.fromkeys(qk_variants())
     for dtype in DTYPES:
-        for n in REPRESENTATIVE_N:
+        for n in REPRESENTATIVE_N if dtype == torch.bfloat16 else TILE_CLASS_N:
             for m in REPRESENTATIVE_M:
-                found.update(dict.fromkeys(variants_for(m, n, dtype, every_path=n in EVERY_PATH_N)))
+                found.update(dict.fromkeys(variants_for(m, n, dtype, every_path=n in TILE_CLASS_N)))
     for dtype, residual_dtype in FUSED_ADD_DTYPES:
-        for n in FUSED_ADD_N:
+        for n in FUSED_ADD_N if dtype == residual_dtype == torch.bfloat16 else FUSED_ADD_N[1:2]:
             for m in REPRESENTATIVE_M:
                 found.update(dict.fromkeys(fused_add_variants_for(m, n, dtype, residual_dtype)))
     found.update(dict.fromkeys(table_variants()))
@@ -261,7 +262,7 @@ def qk_variants() -> list[Variant]:
     weight axes at one head dim: they add no tile shape)."""
     found: dict[Variant, None] = {}
     for dtype in DTYPES:
-        for d in QK_REPRESENTATIVE_D:
+        for d in QK_REPRESENTATIVE_D if dtype == torch.bfloat16 else (128,):  # other dtypes: as TILE_CLASS_N
             for m in REPRESENTATIVE_M:
                 found.update(dict.fromkeys(qk_variants_for(m, d, dtype, every_path=d == 128)))
     return list(found)
