@@ -88,16 +88,16 @@ def _forward_name(plan):
 
 def _check_hosts_launches(monkeypatch, require_every_op=False):
     """The forward the host launches (kernel, constants, hints) at each measured table point, plain and
-    fused (ADD "pre" and "post"), and the qk kernels (a training call's), read from the host path itself,
-    are among the variants the compile check builds."""
+    fused (ADD "pre" and "post"), the backward with and without the residual gradient, and the qk kernels
+    (a training call's), read from the host path itself, are among the variants the compile check builds."""
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import launch, tuning
 
     # the constants: after the arrays and scalars (8 of a forward, 10 of the qk forward, 12 of its backward)
-    skip = {"qk_rms_norm_fwd": 10, "qk_rms_norm_bwd": 12}
+    skip = {"qk_rms_norm_fwd": 10, "qk_rms_norm_bwd": 12, "rms_norm_bwd_column_chunk": 9}
     compiled = {(v.kernel_name, v.params[skip.get(v.kernel_name, 8) :], v.hints) for v in aot.variants()}
     adds = {"forward": (cutile._ADD_NONE,), "fused_forward": tuple(cutile._ADD_MODES.values())}
-    checked = dict.fromkeys((*adds, "qk"), 0)
+    checked = dict.fromkeys((*adds, "backward", "qk"), 0)
     for op, modes in adds.items():
         for key, sms, m, n, dtype in _measured_points(op):
             monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
@@ -108,6 +108,21 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
                     plan = cutile._forward_launch(0, m, n, dtype, None, "llama", True, True, add)
                 assert (_forward_name(plan), plan.constants, plan.hints) in compiled, (op, key, m, n, dtype, plan)
                 checked[op] += 1
+    for key, sms, m, n, dtype in _measured_points("backward"):
+        monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
+        monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
+        cutile.clear_caches()
+        with tuning.use_table("packaged"):
+            b = cutile._backward_config(0, m, n, dtype)
+        for has_dres in (False, True):  # the plain norm's backward and the fused add's
+            if b.plan == "direct":
+                want = ("rms_norm_bwd_direct", (b.tile_m, b.tile_n, b.strip_n, b.strip_m, True, has_dres))
+            elif b.plan == "persistent":
+                want = ("rms_norm_bwd_persistent", (b.tile_m, b.tile_n, b.tail_n, True, has_dres))
+            else:
+                want = ("rms_norm_bwd_column_chunk", (b.tile_m, b.tile_n, True, has_dres))
+            assert (*want, b.hints) in compiled, (key, m, n, dtype, b, has_dres)
+        checked["backward"] += 1
     for key, sms, m, d, dtype in _measured_points("qk"):
         monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
         monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
@@ -141,6 +156,7 @@ def _odd_table():
     persistent = config.ForwardCandidate("persistent", 32, 1024, 0, 4, 1, 4)
     for op, n_b, cand in (
         ("forward", 2048, gather),
+        ("backward", 2048, config.BackwardCandidate("persistent", 64, 2048, 0, 3, 1, 4)),
         ("fused_forward", 2048, gather),
         ("fused_forward", 1024, persistent),
         ("qk", 64, config.QKCandidate(512, 64, 3, 1, 1, 4)),  # 512 x 64: twice the heuristics' largest tile
@@ -151,7 +167,7 @@ def _odd_table():
 
 
 def test_the_hosts_launches_under_measured_fused_and_qk_winners_are_compiled(monkeypatch):
-    """As above, with a table whose fused forward (and qk) winners no heuristic picks: the compile check
+    """As above, with a table whose winners (every op) no heuristic picks: the compile check
     must follow them (``aot.table_variants``), not only the heuristics."""
     from tilegym_rms.cutile import tuning
 

@@ -201,8 +201,8 @@ def table_variants() -> list[Variant]:
     """The variants the shipped tuning tables' measured winners launch (bench/tune_table.py may pick tiles,
     hints and kernels the heuristics never do; analytic entries are the heuristics', covered above): a
     training call's variants at each measured run (the fused forward's: both modes, x and the residual of
-    one dtype). A winner's constants do not depend on N within its bucket, so the bucket's own width stands
-    for every N in it."""
+    one dtype; a backward winner's also with the residual gradient, as the fused add runs it). A winner's
+    constants do not depend on N within its bucket, so the bucket's own width stands for every N in it."""
     from .cutile import tuning
 
     found: dict[Variant, None] = {}
@@ -222,6 +222,8 @@ def table_variants() -> list[Variant]:
                             more = qk_variants_for(m_k, int(n_b), dtype, sms, False, entry)
                         else:
                             more = variants_for(run["m"], int(n_b), dtype, sms, (None,), False, table)
+                        if op == "backward":  # the fused add's backward (HAS_DRES) runs on the same winner
+                            more += fused_add_variants_for(run["m"], int(n_b), dtype, dtype, sms, (), table)
                         found.update(dict.fromkeys(more))
     return list(found)
 
