@@ -240,6 +240,11 @@ def _tilegym_rms_provider(name: str, mod, backend: str, eps: float) -> Provider:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaves that require grad, sharing storage with ``tensors`` (the backward measures' inputs)."""
+    return [t.detach().requires_grad_(True) for t in tensors]
+
+
 class InputSets:
     """``n`` independent (x, w, dy, rstd) sets of one shape; ``xg``/``wg`` are grad-requiring leaves that share
     the storage of ``x``/``w``."""
@@ -290,23 +295,23 @@ class InputSets:
 
     @cached_property
     def xg(self) -> list[torch.Tensor]:
-        return [x.detach().requires_grad_(True) for x in self.x]
+        return _leaves(self.x)
 
     @cached_property
     def wg(self) -> list[torch.Tensor]:
-        return [w.detach().requires_grad_(True) for w in self.w]
+        return _leaves(self.w)
 
     @cached_property
     def kg(self) -> list[torch.Tensor]:
-        return [k.detach().requires_grad_(True) for k in self.k]
+        return _leaves(self.k)
 
     @cached_property
     def wkg(self) -> list[torch.Tensor]:
-        return [w.detach().requires_grad_(True) for w in self.wk]
+        return _leaves(self.wk)
 
     @cached_property
     def rg(self) -> list[torch.Tensor]:
-        return [r.detach().requires_grad_(True) for r in self.r]
+        return _leaves(self.r)
 
 
 def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[int], dict], str]:
