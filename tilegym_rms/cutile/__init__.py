@@ -201,6 +201,12 @@ def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.d
     return 0 if cfg.plan == "direct" else cfg.grid * n * 4
 
 
+def _reduce_dw(dw_partial, dw, dev) -> None:
+    """``dw = dw_partial.sum(0)`` in a fixed order (``rms_norm_dw_reduce``); ``dw_partial`` is 2-D."""
+    red = _reduce_config(dev, dw.shape[0])
+    _launch()(_kernels().rms_norm_dw_reduce, (red.grid,), (dw_partial, dw, red.tile_g, red.tile_n), dev)
+
+
 def backward(x, dy, weight, rstd, offset, casting_mode):
     """``(dx, dw)`` for 2-D ``x`` and ``dy``; see :class:`tilegym_rms.dispatch.Backend`."""
     del casting_mode  # the backward formula is the same for every casting mode
@@ -246,8 +252,7 @@ def _backward(x, dy, dres, weight, rstd, offset):
     if not has_w:
         return dx, None
     dw = weight.new_empty((n,))
-    red = _reduce_config(dev, n)
-    launch(k.rms_norm_dw_reduce, (red.grid,), (dw_partial, dw, red.tile_g, red.tile_n), dev)
+    _reduce_dw(dw_partial, dw, dev)
     return dx, dw
 
 
@@ -284,12 +289,6 @@ def qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode):
     args += (cfg.fwd_tile_m, cfg.tile_n, CASTING_CODES[casting_mode], q_weight is not None, k_weight is not None)
     _launch()(_kernels().qk_rms_norm_fwd, (cfg.fwd_grid,), args, dev, cfg.fwd_hints)
     return yq, yk, rq, rk
-
-
-def _reduce_dw(dw_partial, dw, dev) -> None:
-    """``dw = dw_partial.sum(0)`` in a fixed order (``rms_norm_dw_reduce``); ``dw_partial`` is 2-D."""
-    red = _reduce_config(dev, dw.shape[0])
-    _launch()(_kernels().rms_norm_dw_reduce, (red.grid,), (dw_partial, dw, red.tile_g, red.tile_n), dev)
 
 
 def _qk_dw(dw_partial, q_weight, k_weight, dev):
