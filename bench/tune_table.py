@@ -185,13 +185,13 @@ def main(argv=None) -> int:
     if args.overlay:
         if not args.out:
             parser.error("--overlay needs --out")
-        sweep = json.loads(open(args.overlay).read())
-        dev = sweep["device"]
+        measured = json.loads(open(args.overlay).read())
+        dev = measured["device"]
         if args.base:  # read before --out may overwrite it
             base = json.loads(open(args.base).read())
         else:
             base = tuning.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)
-        tuning.write(tuning.overlay(base, sweep), args.out)
+        tuning.write(tuning.overlay(base, measured), args.out)
         print(f"wrote {args.out} ({dev['key']}, {args.overlay} over {args.base or 'the analytic table'})")
         return 0
     if args.analytic:

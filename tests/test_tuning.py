@@ -453,7 +453,10 @@ def test_the_hosts_qk_config_follows_the_qk_entry_and_is_the_heuristics_without_
     m_q, m_k, d = 16 * 1024, 4 * 1024, 64  # 20480 rows: bucket 32768
     doc = one_entry("qk", "bf16", 64, QK_ODD, m=32768)
     analytic = config.qk_config(m_q, m_k, d, BF16, SMS)
-    assert host._qk_config(0, m_q, m_k, d, BF16) == analytic  # the shipped table has no qk entry
+    shipped = tuning.packaged("sm90_132sm").lookup("qk", 32768, 64, BF16)
+    if shipped is not None:  # the shipped table's measured entry is what the host launches
+        c = host._qk_config(0, m_q, m_k, d, BF16)
+        assert (c.fwd_tile_m, c.bwd_tile_m) == (shipped.fwd_tile_m, shipped.bwd_tile_m)
     with tuning.use_table(doc):
         c = host._qk_config(0, m_q, m_k, d, BF16)
         assert (c.tile_n, c.fwd_tile_m, c.bwd_tile_m) == (64, 512, 8)
@@ -595,9 +598,29 @@ def test_overlay_with_the_shipped_table_as_base_keeps_its_measured_entries(tune_
     table = tuning.load(out)
     assert asdict(table.lookup("fused_forward", 4096, 5120, BF16)) == fused
     assert table.lookup("qk", 32768, 64, BF16) == QK_ODD
-    assert table.lookup("fused_forward", 4096, 4096, BF16) is None  # not measured: the forward's entry rules
-    assert next(table.winners("fused_forward", 4096, 4096, BF16)) == table.lookup("forward", 4096, 4096, BF16)
+    # a width this sweep did not measure keeps what the shipped table launched there
+    before = tuning.load(shipped_doc)
+    assert next(table.winners("fused_forward", 4096, 4096, BF16)) == next(
+        before.winners("fused_forward", 4096, 4096, BF16)
+    )
     # without --base the sweep lands on the analytic table: the shipped measured winners would be lost
     analytic_out = tmp_path / "analytic.json"
     assert tune_table.main(["--overlay", str(sweep_path), "--out", str(analytic_out)]) == 0
     assert json.loads(analytic_out.read_text())["forward"] != shipped_doc["forward"]
+
+
+def test_a_sweep_command_reaches_the_sweep(tune_table, monkeypatch, tmp_path):
+    # main() once shadowed the sweep function with a local of the same name, so every GPU sweep died
+    # with UnboundLocalError before timing anything; the CPU tests only ever ran --plan and --overlay.
+    monkeypatch.setattr(tune_table.timing, "cuda_device", lambda prog: torch.device("cuda", 0))
+    seen = {}
+
+    def fake_sweep(args, command, device, ops, points, base_doc, done):
+        seen.update(ops=ops, points=points, out=args.out)
+        return 0
+
+    monkeypatch.setattr(tune_table, "sweep", fake_sweep)
+    out = str(tmp_path / "s.json")
+    assert tune_table.main(["--ops", "qk", "--dtypes", "bf16", "--quick", "--m", "32768", "--out", out]) == 0
+    assert seen["ops"] == ["qk"] and seen["out"] == out
+    assert seen["points"]["qk"] == [("bf16", d, 32768) for d in tune_table.QK_N]
