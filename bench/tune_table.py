@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n", type=parse_ints, help="N bucket points (default: all of tuning.N_BUCKETS)")
     parser.add_argument("--m", type=parse_ints, help=f"M buckets (default {M_DEFAULT})")
     parser.add_argument("--quick", action="store_true", help=f"N every 512 columns, M {M_QUICK}")
+    parser.add_argument(
+        "--wide", action="store_true", help="more candidates per point (tuning.candidates(wide=True)): slower"
+    )
     parser.add_argument("--merge", help="an existing table: its measured points are kept and skipped")
     parser.add_argument("--reps", type=int, default=3, help="timed passes over the rotating inputs (median)")
     parser.add_argument("--min-gain", type=float, default=0.01, help="a winner must beat the analytic by this")
@@ -135,7 +138,7 @@ def compiled_parts(op: str, dt: str, n_b: int, cands) -> set:
     return {(op, dt, *(v for k, v in asdict(c).items() if k != "blocks_per_sm")) for c in cands}
 
 
-def plan(ops, points, sms: int, done=frozenset()) -> dict:
+def plan(ops, points, sms: int, done=frozenset(), wide: bool = False) -> dict:
     """What a sweep will do: points, timed candidates and distinct compiled variants, and the estimated
     time."""
     n_points = timings = 0
@@ -144,7 +147,7 @@ def plan(ops, points, sms: int, done=frozenset()) -> dict:
         for dt, n_b, m_b in points[op]:
             if (op, dt, n_b, m_b) in done:
                 continue
-            cands = tuning.candidates(op, m_b, n_b, tuning.DTYPES[dt], sms)
+            cands = tuning.candidates(op, m_b, n_b, tuning.DTYPES[dt], sms, wide)
             n_points += 1
             timings += len(timed_parts(op, cands))
             variants.update(compiled_parts(op, dt, n_b, cands))
@@ -206,7 +209,7 @@ def main(argv=None) -> int:
     base_doc = json.loads(open(args.merge).read()) if args.merge else None
     done = measured_points(base_doc)
     if args.plan:
-        p = plan(ops, points, args.sms or 132, done)
+        p = plan(ops, points, args.sms or 132, done, args.wide)
         print(
             f"{p['points']} points, {p['timings']} timings, {p['variants']} variants; ~{p['estimate_s'] / 60:.0f} min"
         )
@@ -237,7 +240,7 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
     doc["copy_gbps"] = round(copy_bw, 1)
     if base_doc is not None:
         doc = tuning.merge(base_doc, doc)
-    p = plan(ops, points, sms, done)
+    p = plan(ops, points, sms, done, args.wide)
     print(f"{name} ({key}), copy {copy_bw:.0f} GB/s: {p['points']} points, {p['timings']} timings, ")
     print(f"{p['variants']} compiled variants; estimate ~{p['estimate_s'] / 60:.0f} min", flush=True)
     reps = args.reps
@@ -251,7 +254,7 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
             dtype = tuning.DTYPES[dt]
             runs = []
             for m_b in ms:
-                runs.append(time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, args.min_gain))
+                runs.append(time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, args.min_gain, args.wide))
                 timed += len(runs[-1]["gbps"])
             if runs:
                 new = tuning.new_doc(key, name, cc, sms, "measured", command)
@@ -300,13 +303,13 @@ def _call(cutile, kind: str, w):
     return lambda s: cutile.qk_backward(s[0], s[1], s[2], s[3], w, w, s[4], s[5], 0.0, "llama")
 
 
-def time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain) -> dict:
+def time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain, wide=False) -> dict:
     """One run: every candidate at (m_b, n_b) timed through the product's host path (each half of a qk
     candidate once); the winner."""
     sets, parts = _inputs(op, m_b, n_b, dtype, device)
     w = torch.randn(n_b, dtype=dtype, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    cands = tuning.candidates(op, m_b, n_b, dtype, sms)
+    cands = tuning.candidates(op, m_b, n_b, dtype, sms, wide)
     gbps = {}
     for cand in cands:
         one = tuning.new_doc(key, "", (0, 0), sms, "measured", "")

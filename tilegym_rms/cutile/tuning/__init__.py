@@ -397,26 +397,35 @@ def analytic_doc(key: str, name: str, capability, sms: int, generated_by: str) -
     return doc
 
 
-def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int) -> list:
+def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: bool = False) -> list:
     """What the sweep times at one bucket, the analytic choice first, then a few neighbours valid for the
     bucket: the other forward kernel (its analytic tiles), or the persistent backward plan in place of the
     direct one; twice the blocks per SM (only the grid changes: no compile); twice the rows per tile of a
     persistent tile, or twice the gather kernel's occupancy hint (one compiled variant each). Few on
-    purpose: compiles dominate a sweep's time, see ``bench/tune_table.py --plan``."""
+    purpose: compiles dominate a sweep's time, see ``bench/tune_table.py --plan``.
+
+    ``wide`` reaches further where the quick neighbours left a gap to the peers: four times the blocks per
+    SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
+    four times the analytic one (for qk on both halves; for the forward ops on both kernels)."""
     out: list = []
 
     def add(cand):
         if cand not in out and candidate_error(op, cand, n_b) is None:
             out.append(cand)
 
+    scales = (1, 2, 4) if wide else (1, 2)
     if op == "qk":  # each half: half, the same or twice the rows per tile, once or twice the blocks per SM
         base = config.qk_candidate(m_b, n_b, dtype, sms)
         add(base)
         for side in ("fwd", "bwd"):
-            tile_m, blocks = getattr(base, f"{side}_tile_m"), getattr(base, f"{side}_blocks_per_sm")
+            tile_m, blocks, occ = (getattr(base, f"{side}_{k}") for k in ("tile_m", "blocks_per_sm", "occupancy"))
             for t in (max(1, tile_m // 2), tile_m, tile_m * 2):
-                for b in (blocks, blocks * 2):
-                    add(replace(base, **{f"{side}_tile_m": t, f"{side}_blocks_per_sm": b}))
+                for b in scales:
+                    for o in scales if wide else (1,):
+                        fields = {"tile_m": t, "blocks_per_sm": blocks * b, "occupancy": max(1, occ) * o}
+                        if o == 1:
+                            fields["occupancy"] = occ
+                        add(replace(base, **{f"{side}_{k}": v for k, v in fields.items()}))
         return out
     if op in FORWARD_OPS:  # the fused forward tries the plain forward's candidates
         add(config.forward_candidate(m_b, n_b, dtype, sms))
@@ -426,19 +435,34 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int) -> lis
             except ValueError:
                 continue  # persistent: rows too wide
             add(base)
+            occupancies = [max(1, base.occupancy) * o for o in (2, 4)] if wide else [max(1, base.occupancy * 2)]
             if kernel == "gather":
-                add(replace(base, occupancy=max(1, base.occupancy * 2)))
-            else:
+                for occupancy in occupancies:
+                    add(replace(base, occupancy=occupancy))
+                continue
+            if not wide:
                 add(replace(base, blocks_per_sm=base.blocks_per_sm * 2))
                 add(replace(base, tile_m=base.tile_m * 2))
+                continue
+            # 16 and 64 times the blocks: at most one row tile per block at large M (no persistence),
+            # with the hardware keeping as many blocks resident as the registers allow.
+            for tile_m in (base.tile_m // 2, base.tile_m, base.tile_m * 2):
+                for b in (1, 2, 4, 16, 64):
+                    add(replace(base, tile_m=tile_m, blocks_per_sm=base.blocks_per_sm * b))
+            for occupancy in occupancies:
+                for b in (1, 16):
+                    add(replace(base, occupancy=occupancy, blocks_per_sm=base.blocks_per_sm * b))
         return out
     base = config.backward_candidate(m_b, n_b, dtype, sms)
     add(base)
     if base.plan == "direct":  # what the direct plan replaced at this M
         base = config.backward_candidate(m_b, n_b, dtype, sms, replace(config.HEURISTICS, bwd_direct_max_rows_per_sm=0))
         add(base)
-    add(replace(base, blocks_per_sm=base.blocks_per_sm * 2))
+    for b in scales[1:]:
+        add(replace(base, blocks_per_sm=base.blocks_per_sm * b))
     add(replace(base, tile_m=base.tile_m * 2))
+    if wide:
+        add(replace(base, tile_m=base.tile_m // 2))
     return out
 
 
