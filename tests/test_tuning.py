@@ -104,12 +104,19 @@ def test_grid_configs_equal_the_heuristics_before_the_table(env_value):
     got = run_grid(env_value)
     assert got["table"] == (env_value is None)
     swept = set() if env_value == "off" else swept_dtypes(shipped()["sm90_132sm"])
+    table = tuning.packaged("sm90_132sm")
     checked = 0
     for (dt, m, n), (f, b) in expected_grid().items():
+        f_got, b_got = got["configs"][f"{dt} {m} {n}"]
         if dt not in swept:
-            assert got["configs"][f"{dt} {m} {n}"] == as_json([f, b]), (dt, m, n)
+            assert [f_got, b_got] == as_json([f, b]), (dt, m, n)
             checked += 1
-    assert checked >= len(expected_grid()) // 3
+        else:  # the fresh process launches the packaged table's winners (kernel and tiles of the bucket)
+            win_f = next(table.winners("forward", m, n, tuning.DTYPES[dt]))
+            win_b = table.lookup("backward", m, n, tuning.DTYPES[dt])
+            assert (f_got[0], f_got[1]) == (win_f.kernel, win_f.tile_m), (dt, m, n)
+            assert (b_got[0], b_got[1]) == (win_b.plan, win_b.tile_m), (dt, m, n)
+    assert checked >= len(expected_grid()) // 3 or env_value is None
 
 
 def swept_dtypes(doc) -> set[str]:
@@ -624,3 +631,21 @@ def test_a_sweep_command_reaches_the_sweep(tune_table, monkeypatch, tmp_path):
     assert tune_table.main(["--ops", "qk", "--dtypes", "bf16", "--quick", "--m", "32768", "--out", out]) == 0
     assert seen["ops"] == ["qk"] and seen["out"] == out
     assert seen["points"]["qk"] == [("bf16", d, 32768) for d in tune_table.QK_N]
+
+
+@pytest.mark.parametrize(
+    "op, m, n", [("forward", 1 << 20, 128), ("forward", 4096, 4096), ("backward", 1 << 18, 64), ("qk", 32768, 128)]
+)
+def test_wide_candidates_extend_the_quick_ones(op, m, n):
+    quick = tuning.candidates(op, m, n, BF16, SMS)
+    wide = tuning.candidates(op, m, n, BF16, SMS, wide=True)
+    assert wide[0] == quick[0]  # the analytic choice first: the winner must beat it
+    assert set(quick) < set(wide)
+    assert all(tuning.candidate_error(op, c, n) is None for c in wide)
+    if op == "qk":
+        base = quick[0].fwd_occupancy
+        assert {c.fwd_occupancy for c in wide} == {base, 2 * base, 4 * base}
+    elif op == "forward" and quick[0].kernel == "persistent":
+        # up to one row tile per block at large M (the grid is capped by the row tiles)
+        assert max(c.blocks_per_sm for c in wide) == 64 * quick[0].blocks_per_sm
+        assert {c.occupancy for c in wide} > {c.occupancy for c in quick}
