@@ -46,7 +46,22 @@ def test_every_variant_compiles(arch):
     out = io.StringIO()
     failures = aot.run((arch,), jobs=2, out=out)
     assert failures == 0, out.getvalue()
-    assert f"{len(aot.variants())} compiled, 0 failed" in out.getvalue()
+    assert f"{len(aot.variants(arch))} compiled, 0 failed" in out.getvalue()
+
+
+def test_table_winners_are_compiled_for_their_own_arch_only():
+    """A table applies to its device class alone (other devices use the heuristics), so its measured
+    winners are compiled for that arch; every arch still gets every heuristic variant."""
+    from tilegym_rms.cutile import tuning
+
+    table_archs = {aot.table_arch(tuning.packaged(key).doc) for key in tuning.packaged_keys()}
+    assert table_archs == {"sm_90"}  # the shipped H100 table
+    winners = set(aot.table_variants("sm_90"))
+    heuristic = set(aot.variants("sm_80"))
+    assert winners - heuristic, "the H100 table launches variants the heuristics never do"
+    assert set(aot.variants("sm_90")) == heuristic | winners
+    for arch in set(aot.ARCHS) - table_archs:
+        assert aot.table_variants(arch) == [] and set(aot.variants(arch)) == heuristic, arch
 
 
 def test_qk_variants_cover_the_head_dims_and_both_kernels():

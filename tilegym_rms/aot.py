@@ -10,6 +10,7 @@ sizes (the arithmetic-only axes, other dtypes than bf16 included, at one width p
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import sys
 import time
@@ -174,8 +175,16 @@ def fused_add_variants_for(
     return list(found)
 
 
-def variants() -> list[Variant]:
-    """The distinct kernel variants reachable from the dispatcher over the representative grid."""
+def variants(arch: str | None = None) -> list[Variant]:
+    """The distinct kernel variants reachable from the dispatcher over the representative grid, plus the
+    measured winners of the tuning tables for ``arch`` (None: of every table)."""
+    found = dict.fromkeys(_heuristic_variants())
+    found.update(dict.fromkeys(table_variants(arch)))
+    return list(found)
+
+
+@functools.lru_cache(maxsize=1)
+def _heuristic_variants() -> tuple[Variant, ...]:
     found: dict[Variant, None] = dict.fromkeys(qk_variants())
     for dtype in DTYPES:
         for n in REPRESENTATIVE_N if dtype == torch.bfloat16 else TILE_CLASS_N:
@@ -185,7 +194,6 @@ def variants() -> list[Variant]:
         for n in FUSED_ADD_N if dtype == residual_dtype == torch.bfloat16 else FUSED_ADD_N[1:2]:
             for m in REPRESENTATIVE_M:
                 found.update(dict.fromkeys(fused_add_variants_for(m, n, dtype, residual_dtype)))
-    found.update(dict.fromkeys(table_variants()))
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
     tile_n = config.HEURISTICS.reduce_min_tile_n
     while tile_n <= config.HEURISTICS.reduce_max_tile_n:
@@ -194,20 +202,31 @@ def variants() -> list[Variant]:
         for dtype in DTYPES:
             found.setdefault(Variant("rms_norm_dw_reduce", (_arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)))
         tile_n *= 2
-    return list(found)
+    return tuple(found)
 
 
-def table_variants() -> list[Variant]:
+def table_arch(doc: dict) -> str:
+    """The compile target of a tuning table's device class, e.g. ``"sm_90"`` for ``sm90_132sm``."""
+    major, minor = doc["device"]["capability"]
+    return f"sm_{major}{minor}"
+
+
+def table_variants(arch: str | None = None) -> list[Variant]:
     """The variants the shipped tuning tables' measured winners launch (bench/tune_table.py may pick tiles,
     hints and kernels the heuristics never do; analytic entries are the heuristics', covered above): a
     training call's variants at each measured run (the fused forward's: both modes, x and the residual of
     one dtype; a backward winner's also with the residual gradient, as the fused add runs it). A winner's
-    constants do not depend on N within its bucket, so the bucket's own width stands for every N in it."""
+    constants do not depend on N within its bucket, so the bucket's own width stands for every N in it.
+
+    With ``arch``, only the tables of that compile target: a table applies to its own device class alone
+    (other devices fall back to the heuristics), so its winners need no cubin for the other archs."""
     from .cutile import tuning
 
     found: dict[Variant, None] = {}
     for key in tuning.packaged_keys():
         table = tuning.packaged(key)
+        if arch is not None and table_arch(table.doc) != arch:
+            continue
         sms = table.doc["device"]["sms"]
         for op in tuning.OPS:
             for dt, by_n in table.doc.get(op, {}).items():
@@ -318,8 +337,7 @@ def compile_variant(v: Variant, arch: str) -> int:
 def run(archs=ARCHS, jobs: int = 2, out=sys.stdout, only: list[Variant] | None = None) -> int:
     """Compiles every variant (or those of ``only``) for every arch, prints a table; returns the number of
     failures."""
-    chosen = variants() if only is None else only
-    todo = [(v, a) for v in chosen for a in archs]
+    todo = [(v, a) for a in archs for v in (variants(a) if only is None else only)]
 
     def one(item):
         v, a = item
@@ -336,7 +354,7 @@ def run(archs=ARCHS, jobs: int = 2, out=sys.stdout, only: list[Variant] | None =
             failures += err is not None
             print(f"{v.describe():<72} {a:<7} {size:>8} {secs:>5.1f}  {err or 'ok'}", file=out, flush=True)
     print(
-        f"{len(todo) - failures} compiled, {failures} failed ({len(chosen)} variants x {len(archs)} archs)",
+        f"{len(todo) - failures} compiled, {failures} failed ({len(todo)} variant-arch pairs, {len(archs)} archs)",
         file=out,
     )
     return failures
