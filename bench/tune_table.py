@@ -51,6 +51,7 @@ except ImportError:  # run as a script: bench/ is on sys.path
     import traffic
     import tune_cutile
 
+from tilegym_rms import ops
 from tilegym_rms.cutile import config, tuning
 
 M_DEFAULT = (1, 64, 512, 2048, 8192, 32768)
@@ -285,11 +286,19 @@ def _inputs(op: str, m_b: int, n_b: int, dtype: torch.dtype, device: torch.devic
     sets = []
     for _ in range(count):
         q, k = (torch.randn(tokens, h, n_b, dtype=dtype, device=device) for h in (hq, hk))
-        rq, rk = (torch.rand(tokens, h, device=device) + 0.5 for h in (hq, hk))
+        q, k = qk_product_views(q), qk_product_views(k)
+        rq, rk = (torch.rand(t.shape[:2], device=device) + 0.5 for t in (q, k))
         sets.append((q, k, torch.randn_like(q), torch.randn_like(k), rq, rk))
     rows = tokens * hq  # traffic.qk_rows: q's rows, k's from base.QK_HEADS (the same 16 and 4 heads)
     return sets, {"fwd": (traffic.qk_forward_bytes(rows, n_b, elt), "qk_fwd"),
                   "bwd": (traffic.qk_backward_bytes(rows, n_b, elt), "qk_bwd")}  # fmt: skip
+
+
+def qk_product_views(t: torch.Tensor) -> torch.Tensor:
+    """The ``(G, H, D)`` view ``qk_rms_norm`` hands the cuTile host for ``t`` (ops merges the dims of dense
+    layouts: a contiguous ``(tokens, heads, D)`` becomes ``(tokens * heads, 1, D)``). The kernels walk the
+    two layouts differently, so a sweep on other views would tune a walk the product does not run."""
+    return ops._heads_view(t, ops._heads_shape(t))
 
 
 def _call(cutile, kind: str, w):

@@ -649,3 +649,14 @@ def test_wide_candidates_extend_the_quick_ones(op, m, n):
         # up to one row tile per block at large M (the grid is capped by the row tiles)
         assert max(c.blocks_per_sm for c in wide) == 64 * quick[0].blocks_per_sm
         assert {c.occupancy for c in wide} > {c.occupancy for c in quick}
+
+
+def test_the_qk_sweep_times_the_views_the_product_launches(tune_table):
+    """The sweep calls the cuTile host directly, so it must hand it the views ``qk_rms_norm`` would: for the
+    dense q and k it builds, ops merges (tokens, heads, D) into (tokens * heads, 1, D) rows. An earlier
+    sweep timed the head-strided (tokens, 16, D) walk instead, and its winners did not transfer."""
+    q = torch.randn(8, tuning.QK_SWEEP_HEADS[0], 64)
+    got = tune_table.qk_product_views(q)
+    assert got.shape == (8 * tuning.QK_SWEEP_HEADS[0], 1, 64) and got.data_ptr() == q.data_ptr()
+    sliced = torch.randn(8, 3 * 16 * 64)[:, : 16 * 64].view(8, 16, 64)  # q of a fused qkv projection
+    assert tune_table.qk_product_views(sliced).shape == (8, 16, 64)  # rows not one run: kept as heads
