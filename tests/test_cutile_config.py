@@ -175,6 +175,26 @@ def test_compiler_hints_follow_the_tile_width(host):
     }
 
 
+def test_short_16bit_rows_get_more_resident_blocks_and_short_backward_rows_taller_tiles(host):
+    """Head-dim rows (NOTES experiment 32): the forward of 16-bit rows up to 256 padded columns raises the
+    occupancy hint (8 up to 64 columns, 4 up to 256) and from 2^20 rows launches about one row tile per
+    block; fp32 and wider rows keep the narrow class. Backward rows up to 128 padded columns take 32 rows."""
+    p = config.HEURISTICS
+    for n, occupancy in ((64, 8), (96, 4), (128, 4), (256, 4)):
+        for dtype in (BF16, torch.float16):
+            f = fwd(host, 65536, n, dtype)
+            assert f.kernel == "persistent" and f.hints == (("occupancy", occupancy),), (n, dtype)
+            assert f.grid == SMS * p.fwd_tiny_blocks_per_sm
+            many = fwd(host, 3 << 20, n, dtype)  # bucket 2^21: one row tile per block, capped by the tiles
+            assert many.grid == min(SMS * p.fwd_short_many_blocks_per_sm, config.cdiv(3 << 20, many.tile_m))
+        assert fwd(host, 65536, n, torch.float32).hints == (("occupancy", p.fwd_narrow_occupancy),)
+    assert fwd(host, 65536, 512).hints == (("occupancy", p.fwd_narrow_occupancy),)
+    for n, tile_m in ((64, 32), (96, 32), (128, 32), (256, p.max_tile_m)):
+        for dtype in (BF16, torch.float32):
+            b = config.backward_config(1 << 20, n, dtype, SMS)
+            assert (b.plan, b.tile_m) == ("persistent", tile_m), (n, dtype)
+
+
 def test_gather_hints_follow_the_tile_width_table(host):
     table = {widest: (o, w) for widest, o, w in config.HEURISTICS.gather_single_tile_hints}
     assert max(table) == config.HEURISTICS.fwd_max_single_tile_n  # every single-tile row finds an entry

@@ -64,6 +64,18 @@ class Heuristics:
     # queue and hide the short rows' latency; experiments 15, 18).
     fwd_tiny_tile_n: int = 1024
     fwd_tiny_blocks_per_sm: int = 8
+    # Short 16-bit rows (at most fwd_short_max_row padded columns: head dims, QK-norm through the plain
+    # norm) are latency-bound per tile: the forward gains most from an occupancy hint that lets more blocks
+    # stay resident (fwd_short_occupancy, by the widest padded row it applies to), and from fwd_short_many_m
+    # rows on from about one row tile per block (experiment 32). Measured on bf16 and fp16 only.
+    fwd_short_max_row: int = 256
+    fwd_short_occupancy: tuple[tuple[int, int], ...] = ((64, 8), (256, 4))
+    fwd_short_many_m: int = 1 << 20
+    fwd_short_many_blocks_per_sm: int = 128
+    # Backward rows of at most bwd_short_max_row padded columns take bwd_short_tile_m rows per tile (more
+    # than max_tile_m: x and dy of one such tile are only a few KB; experiments 26 and 32, every dtype).
+    bwd_short_max_row: int = 128
+    bwd_short_tile_m: int = 32
     bwd_narrow_blocks_per_sm: int = 2
     bwd_narrow_occupancy: int = 2
     bwd_narrow_worker_warps: int = 0
@@ -282,6 +294,10 @@ def forward_candidate(
     blocks, occupancy, warps = _persistent_class(row, "fwd", p)
     if row <= p.fwd_tiny_tile_n:
         blocks = p.fwd_tiny_blocks_per_sm
+    if row <= p.fwd_short_max_row and dtype.itemsize == 2:
+        occupancy = next(o for widest, o in p.fwd_short_occupancy if row <= widest)
+        if m >= p.fwd_short_many_m:
+            blocks = p.fwd_short_many_blocks_per_sm
     return ForwardCandidate("persistent", _tile_m(row, p.fwd_tile_elems, p), tile_n, tail_n, blocks, occupancy, warps)
 
 
@@ -332,6 +348,8 @@ def backward_candidate(
         tile_n, tail_n = split_row(n)
         row = tile_n + tail_n
         tile_m = _tile_m(row, p.bwd_narrow_tile_elems if row <= p.narrow_max_row else p.bwd_wide_tile_elems, p)
+        if row <= p.bwd_short_max_row:
+            tile_m = p.bwd_short_tile_m
         return BackwardCandidate("persistent", tile_m, tile_n, tail_n, *_persistent_class(row, "bwd", p))
     return BackwardCandidate(
         "chunked", p.bwd_chunk_tile_m, p.bwd_chunk_n, 0, *_persistent_class(p.bwd_chunk_n, "bwd", p)
