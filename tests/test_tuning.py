@@ -645,6 +645,11 @@ def test_wide_candidates_extend_the_quick_ones(op, m, n):
     if op == "qk":
         base = quick[0].fwd_occupancy
         assert {c.fwd_occupancy for c in wide} == {base, 2 * base, 4 * base}
+        # the plain forward's short-row choice for rows of one head is timed too
+        plain = config.forward_candidate(m, n, BF16, SMS, "persistent")
+        assert (plain.tile_m, plain.blocks_per_sm, plain.occupancy) in {
+            (c.fwd_tile_m, c.fwd_blocks_per_sm, c.fwd_occupancy) for c in wide
+        }
     elif op == "forward" and quick[0].kernel == "persistent":
         # up to one row tile per block at large M (the grid is capped by the row tiles)
         assert max(c.blocks_per_sm for c in wide) == 64 * quick[0].blocks_per_sm

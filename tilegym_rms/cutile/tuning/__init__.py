@@ -426,6 +426,11 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
                         if o == 1:
                             fields["occupancy"] = occ
                         add(replace(base, **{f"{side}_{k}": v for k, v in fields.items()}))
+        if wide:  # the plain norm's choice for rows of one head (its measured short-row settings)
+            f = config.forward_candidate(m_b, n_b, dtype, sms, "persistent")
+            b = config.backward_candidate(m_b, n_b, dtype, sms)
+            add(replace(base, fwd_tile_m=f.tile_m, fwd_blocks_per_sm=f.blocks_per_sm, fwd_occupancy=f.occupancy))
+            add(replace(base, bwd_tile_m=b.tile_m, bwd_blocks_per_sm=b.blocks_per_sm, bwd_occupancy=b.occupancy))
         return out
     if op in FORWARD_OPS:  # the fused forward tries the plain forward's candidates
         add(config.forward_candidate(m_b, n_b, dtype, sms))
