@@ -3,14 +3,18 @@
     python bench/heldout_report.py                         # bench/results/h100/heldout.json
     python bench/heldout_report.py --grid                  # plus the rms_norm.json beside it
     python bench/heldout_report.py PATH --grid OTHER.json --markdown   # a table for bench/NOTES.md
+    git show REV:bench/results/h100/rms_norm.json > /tmp/old.json
+    python bench/heldout_report.py --grid --baseline /tmp/old.json    # plus: what regressed since REV
 
 Per shape and op: ours (tilegym_rms-cutile) in GB/s with its share of the copy bandwidth measured in the same
 run, the best peer (every provider that is not one of tilegym_rms's: torch, torch.compile, Liger, TileGym,
 quack), their ratio, and each target of issue #14: where M*N >= 2^22, forward >= 0.98x and backward >= 1.0x the
 best peer; where M*N >= 2^25, >= 92% of the copy bandwidth (forward and backward; full is shown, not judged).
 A target is "n/a" below its size or for an op it does not name, "no data" where ours or every peer is absent;
-a failed float64 check of ours ('!') misses it. Expected peers that are absent are listed. A report, not a
-gate: the exit code is 0 whatever the numbers say.
+a failed float64 check of ours ('!') misses it. Expected peers that are absent are listed. With --baseline,
+the issue's last target too: no shape of both runs may lose more than 2% of ours' share of the copy bandwidth
+(the share, not GB/s, so that two runs' cards and copy figures may differ a little). A report, not a gate:
+the exit code is 0 whatever the numbers say.
 """
 
 from __future__ import annotations
@@ -178,6 +182,38 @@ def summary(rows: list[Row]) -> list[str]:
     return lines
 
 
+REGRESSION_LIMIT = 0.98  # ours' share of copy now / in the baseline, below which a shape regressed
+
+
+def regressions(recs: list[dict], baseline: list[dict]) -> tuple[int, list[tuple[tuple, float]]]:
+    """``(shapes compared, [(key, now / before)])`` for every (suite, dtype, M, N, op) that ours measured in
+    both with a copy figure, where ours' share of the copy bandwidth fell below REGRESSION_LIMIT times the
+    baseline's; worst first."""
+    now, before = measurements(recs), measurements(baseline)
+    compared, worse = 0, []
+    for key, by in now.items():
+        a, b = by.get(OURS), before.get(key, {}).get(OURS)
+        if not (a and b and a.copy_bw and b.copy_bw):
+            continue
+        compared += 1
+        ratio = (a.gbps / a.copy_bw) / (b.gbps / b.copy_bw)
+        if ratio < REGRESSION_LIMIT:
+            worse.append((key, ratio))
+    return compared, sorted(worse, key=lambda kv: kv[1])
+
+
+def render_regressions(compared: int, worse: list[tuple[tuple, float]]) -> str:
+    head = f"no shape lost more than {100 * (1 - REGRESSION_LIMIT):.0f}% against the baseline"
+    if worse:
+        head = f"{len(worse)} of {compared} shapes lost more than {100 * (1 - REGRESSION_LIMIT):.0f}%"
+    else:
+        head += f" ({compared} shapes compared)"
+    lines = [
+        f"{m} × {n} {dtype} {op} ({suite}): {ratio:.3f}× the baseline" for (suite, dtype, m, n, op), ratio in worse
+    ]
+    return "\n".join([head, *lines])
+
+
 def render(rows: list[Row], markdown: bool = False) -> str:
     if not rows:
         return "no held-out or grid forward/backward/full throughput records"
@@ -216,11 +252,17 @@ def main(argv: list[str] | None = None) -> int:
         help="also judge the grid shapes of this results file (alone: the rms_norm.json beside RESULTS)",
     )
     parser.add_argument("--markdown", action="store_true", help="a Markdown table and list, for bench/NOTES.md")
+    parser.add_argument(
+        "--baseline", nargs="+", type=Path, help="earlier results files: list the shapes that regressed since"
+    )
     args = parser.parse_args(argv)
     paths = [args.results]
     if args.grid is not None:
         paths.append(Path(args.grid) if args.grid else args.results.parent / bench_rmsnorm.JSON_NAME)
-    print(render(report_rows(load(paths)), args.markdown))
+    recs = load(paths)
+    print(render(report_rows(recs), args.markdown))
+    if args.baseline:
+        print("\n" + render_regressions(*regressions(recs, load(args.baseline))))
     return 0
 
 

@@ -103,3 +103,21 @@ def test_grid_file_and_exit_code(tmp_path, capsys):
     assert hr.main([str(tmp_path / "absent.json")]) == 0
     captured = capsys.readouterr()
     assert "absent.json: not read" in captured.err and "no held-out or grid" in captured.out
+
+
+def test_regressions_compare_shares_of_copy_against_a_baseline():
+    before = [point("tilegym_rms-cutile", "forward", 8192, 4096, 2900.0, suite="grid")]
+    before += [point("tilegym_rms-cutile", "backward", 8192, 4096, 2700.0, suite="grid")]
+    before += [point("tilegym_rms-cutile", "forward", 4096, 1024, 2000.0, suite="grid")]
+    before += [point("liger", "forward", 2048, 2048, 2000.0, suite="grid")]  # a peer: never compared
+    now = [point("tilegym_rms-cutile", "forward", 8192, 4096, 2800.0, suite="grid")]  # 0.966x: regressed
+    now += [point("tilegym_rms-cutile", "backward", 8192, 4096, 2710.0, suite="grid")]  # 0.994x: within 2%
+    now += [point("tilegym_rms-cutile", "forward", 16384, 4096, 100.0, suite="grid")]  # not in the baseline
+    now += [point("liger", "forward", 2048, 2048, 100.0, suite="grid")]
+    meta_before = {**META, "copy_bandwidth_GBps": COPY}
+    meta_now = {**META, "copy_bandwidth_GBps": COPY * 1.01}  # a slightly faster copy: shares, not GB/s
+    compared, worse = hr.regressions(records.build_records(now, meta_now), records.build_records(before, meta_before))
+    assert compared == 2
+    assert [key for key, _ in worse] == [("grid", "bf16", 8192, 4096, "forward")]
+    assert worse[0][1] == pytest.approx((2800.0 / 1.01) / 2900.0)
+    assert "1 of 2 shapes lost more than 2%" in hr.render_regressions(compared, worse)
