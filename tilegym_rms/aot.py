@@ -22,10 +22,10 @@ import torch
 from .cutile import config
 
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
-# Hidden sizes that reach every tile shape class: tiny, non-power-of-two, the common LLM widths, rows
-# split into a tile and a tail tile (5120, 12288), the widest single tile (32768), and rows wider than one
-# tile (chunked kernels).
-REPRESENTATIVE_N = (64, 1000, 4096, 5120, 8192, 12288, 16384, 32768, 65536)
+# Hidden sizes that reach every tile shape class: tiny, a head dim (the short-row hints), non-power-of-two,
+# the common LLM widths, rows split into a tile and a tail tile (5120, 12288), the widest single tile
+# (32768), and rows wider than one tile (chunked kernels).
+REPRESENTATIVE_N = (64, 128, 1000, 4096, 5120, 8192, 12288, 16384, 32768, 65536)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # One width per tile class: a narrow single tile, a tile plus a tail tile at two widths, column chunks.
 # The axes that change a kernel's arithmetic but not its tiles are compiled at these widths only: the
