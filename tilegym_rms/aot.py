@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import multiprocessing
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -334,23 +335,30 @@ def compile_variant(v: Variant, arch: str) -> int:
     return len(cubin(v, arch))
 
 
+def _compile_timed(item: tuple[Variant, str]) -> tuple[int, str | None, float]:
+    """``(cubin bytes, error or None, seconds)`` of one (variant, arch): the work of one pool task."""
+    v, a = item
+    t0 = time.perf_counter()
+    try:
+        return compile_variant(v, a), None, time.perf_counter() - t0
+    except Exception as exc:  # report every failure, keep going
+        return 0, f"{type(exc).__name__}: {exc}".splitlines()[0][:160], time.perf_counter() - t0
+
+
 def run(archs=ARCHS, jobs: int = 2, out=sys.stdout, only: list[Variant] | None = None) -> int:
     """Compiles every variant (or those of ``only``) for every arch, prints a table; returns the number of
-    failures."""
+    failures. ``jobs`` > 1 compiles in that many processes: cuda.tile holds one process-wide lock over each
+    whole compile (tileiras included), so threads would take turns."""
     todo = [(v, a) for a in archs for v in (variants(a) if only is None else only)]
-
-    def one(item):
-        v, a = item
-        t0 = time.perf_counter()
-        try:
-            return v, a, compile_variant(v, a), None, time.perf_counter() - t0
-        except Exception as exc:  # report every failure, keep going
-            return v, a, 0, f"{type(exc).__name__}: {exc}".splitlines()[0][:160], time.perf_counter() - t0
-
     failures = 0
     print(f"{'variant':<72} {'arch':<7} {'cubin':>8} {'s':>5}  result", file=out)
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for v, a, size, err, secs in pool.map(one, todo):
+    if jobs > 1:
+        # spawn: a fresh interpreter per worker, never a fork of one that may hold torch's threads
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    else:
+        pool = ThreadPoolExecutor(max_workers=1)
+    with pool:
+        for (v, a), (size, err, secs) in zip(todo, pool.map(_compile_timed, todo, chunksize=4), strict=True):
             failures += err is not None
             print(f"{v.describe():<72} {a:<7} {size:>8} {secs:>5.1f}  {err or 'ok'}", file=out, flush=True)
     print(
@@ -363,7 +371,7 @@ def run(archs=ARCHS, jobs: int = 2, out=sys.stdout, only: list[Variant] | None =
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tilegym-rms aot", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", choices=ARCHS, help="target (repeatable); default: all four")
-    parser.add_argument("--jobs", type=int, default=2, help="parallel compiles (default 2)")
+    parser.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
     args = parser.parse_args(argv)
     return 1 if run(tuple(args.arch or ARCHS), args.jobs) else 0
 
