@@ -12,6 +12,7 @@ so an interrupted sweep resumes with ``--merge`` on its own output: points alrea
     python bench/tune_table.py --quick --dtypes bf16 --out /tmp/t.json         # a smaller sweep
     python bench/tune_table.py --plan --sms 132                                 # counts and estimate, no GPU
     python bench/tune_table.py --ops fused_forward,qk --dtypes bf16 --quick --m 4096,32768 --out s.json
+    python bench/tune_table.py --ops forward --wide --dtypes bf16 --n 64,128,256 --m 65536 --out w.json
     python bench/tune_table.py --overlay s.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
         --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # merged into the shipped table
     python bench/tune_table.py --analytic --sms 132 --capability 9.0 --name "NVIDIA H100 80GB HBM3" \\
@@ -21,11 +22,16 @@ Ops (``--ops``, default forward,backward): ``forward`` and ``backward`` time ``c
 ``cutile.backward``; ``fused_forward`` the forward candidates through ``cutile.fused_add_forward(x, r, w,
 ..., mode="pre")`` (traffic: four streams per row); ``qk`` the qk candidates (each half of the heuristics'
 choice with half, the same or twice the rows per tile and once or twice the blocks per SM) through
-``cutile.qk_forward`` and ``cutile.qk_backward`` (with its dw reduction) on ``(G, 16, D)`` q and ``(G, 4, D)``
-k views, k a fifth of the rows (M buckets below 32 rows skipped). The qk forward and backward are timed
+``cutile.qk_forward`` and ``cutile.qk_backward`` (with its dw reduction) on dense ``(G, 16, D)`` q and
+``(G, 4, D)`` k, handed over as the views ``qk_rms_norm`` makes of them (``qk_product_views``), k a fifth of
+the rows (M buckets below 32 rows skipped). The qk forward and backward are timed
 apart: they are separate launches whose configs do not interact, so the best forward half and the best
 backward half make the winner (11 candidates, 12 timings) where timing every pair would take 36. qk runs at
 head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile_n``).
+
+``--wide`` times more candidates per point (``tuning.candidates(wide=True)``: occupancy hints of 2x and 4x,
+half tiles, up to 64x the blocks of the persistent forward, the plain norm's choice for qk): about twice the
+compiles and several times the timings, so it is meant for few widths at a time.
 
 Shapes above ``MAX_ELEMENTS`` are not timed (their M run is the one below: the floor rule of the schema).
 The tool lives in bench/ because it needs the benchmarks' timer; the package holds the table format,
