@@ -10,7 +10,6 @@ sizes (the arithmetic-only axes, other dtypes than bf16 included, at one width p
 from __future__ import annotations
 
 import argparse
-import functools
 import io
 import multiprocessing
 import sys
@@ -184,8 +183,8 @@ def variants(arch: str | None = None) -> list[Variant]:
     return list(found)
 
 
-@functools.lru_cache(maxsize=1)
-def _heuristic_variants() -> tuple[Variant, ...]:
+def _heuristic_variants() -> list[Variant]:
+    """What the heuristics (``config.HEURISTICS``, as overridden at the call) launch over the representative grid."""
     found: dict[Variant, None] = dict.fromkeys(qk_variants())
     for dtype in DTYPES:
         for n in REPRESENTATIVE_N if dtype == torch.bfloat16 else TILE_CLASS_N:
@@ -203,7 +202,7 @@ def _heuristic_variants() -> tuple[Variant, ...]:
         for dtype in DTYPES:
             found.setdefault(Variant("rms_norm_dw_reduce", (_arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)))
         tile_n *= 2
-    return tuple(found)
+    return list(found)
 
 
 def table_arch(doc: dict) -> str:
