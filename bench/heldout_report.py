@@ -203,15 +203,14 @@ def regressions(recs: list[dict], baseline: list[dict]) -> tuple[int, list[tuple
 
 
 def render_regressions(compared: int, worse: list[tuple[tuple, float]]) -> str:
-    head = f"no shape lost more than {100 * (1 - REGRESSION_LIMIT):.0f}% against the baseline"
-    if worse:
-        head = f"{len(worse)} of {compared} shapes lost more than {100 * (1 - REGRESSION_LIMIT):.0f}%"
-    else:
-        head += f" ({compared} shapes compared)"
-    lines = [
+    limit = f"{100 * (1 - REGRESSION_LIMIT):.0f}%"
+    if not worse:
+        return f"no shape lost more than {limit} against the baseline ({compared} shapes compared)"
+    lines = [f"{len(worse)} of {compared} shapes lost more than {limit}"]
+    lines += [
         f"{m} × {n} {dtype} {op} ({suite}): {ratio:.3f}× the baseline" for (suite, dtype, m, n, op), ratio in worse
     ]
-    return "\n".join([head, *lines])
+    return "\n".join(lines)
 
 
 def render(rows: list[Row], markdown: bool = False) -> str:
