@@ -419,12 +419,11 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
         add(base)
         for side in ("fwd", "bwd"):
             tile_m, blocks, occ = (getattr(base, f"{side}_{k}") for k in ("tile_m", "blocks_per_sm", "occupancy"))
+            occupancies = (occ, max(1, occ) * 2, max(1, occ) * 4) if wide else (occ,)
             for t in (max(1, tile_m // 2), tile_m, tile_m * 2):
                 for b in scales:
-                    for o in scales if wide else (1,):
-                        fields = {"tile_m": t, "blocks_per_sm": blocks * b, "occupancy": max(1, occ) * o}
-                        if o == 1:
-                            fields["occupancy"] = occ
+                    for o in occupancies:
+                        fields = {"tile_m": t, "blocks_per_sm": blocks * b, "occupancy": o}
                         add(replace(base, **{f"{side}_{k}": v for k, v in fields.items()}))
         if wide:  # the plain norm's choice for rows of one head (its measured short-row settings)
             f = config.forward_candidate(m_b, n_b, dtype, sms, "persistent")
