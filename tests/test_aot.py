@@ -101,6 +101,12 @@ def _forward_name(plan):
     return "rms_norm_fwd_gather" if plan.kernel is kernels.rms_norm_fwd_gather else "rms_norm_fwd_persistent"
 
 
+# the dx kernel of each backward plan, by the object the host launches
+_BACKWARD_NAMES = {
+    getattr(kernels, n): n for n in ("rms_norm_bwd_direct", "rms_norm_bwd_persistent", "rms_norm_bwd_column_chunk")
+}
+
+
 def _check_hosts_launches(monkeypatch, require_every_op=False):
     """The forward the host launches (kernel, constants, hints) at each measured table point, plain and
     fused (ADD "pre" and "post"), the backward with and without the residual gradient, and the qk kernels
@@ -127,16 +133,11 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
         monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
         monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
         cutile.clear_caches()
-        with tuning.use_table("packaged"):
-            b = cutile._backward_config(0, m, n, dtype)
         for has_dres in (False, True):  # the plain norm's backward and the fused add's
-            if b.plan == "direct":
-                want = ("rms_norm_bwd_direct", (b.tile_m, b.tile_n, b.strip_n, b.strip_m, True, has_dres))
-            elif b.plan == "persistent":
-                want = ("rms_norm_bwd_persistent", (b.tile_m, b.tile_n, b.tail_n, True, has_dres))
-            else:
-                want = ("rms_norm_bwd_column_chunk", (b.tile_m, b.tile_n, True, has_dres))
-            assert (*want, b.hints) in compiled, (key, m, n, dtype, b, has_dres)
+            with tuning.use_table("packaged"):
+                b = cutile._backward_launch(0, m, n, dtype, True, has_dres)
+            want = (_BACKWARD_NAMES[b.kernel], b.constants, b.cfg.hints)
+            assert want in compiled, (key, m, n, dtype, b)
         checked["backward"] += 1
     for key, sms, m, d, dtype in _measured_points("qk"):
         monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)

@@ -117,7 +117,7 @@ def _reduce_config(device_index, n):
 
 def clear_caches() -> None:
     """Forget the cached configurations and launches (after a tuning script changed :mod:`.config`)."""
-    for cache in (_forward_config, _backward_config, _reduce_config, _forward_launch, _qk_config):
+    for cache in (_forward_config, _backward_config, _reduce_config, _forward_launch, _backward_launch, _qk_config):
         cache.cache_clear()
 
 
@@ -166,7 +166,8 @@ def _forward(x, residual, res_out, weight, eps, offset, casting_mode, store_rstd
     y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
     dev = x.get_device()
     plan = _forward_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, add)
-    rstd = x.new_empty((m,), dtype=torch.float32) if plan.allocates_rstd else None
+    # torch.empty with a device object: cheaper per call than x.new_empty (bench/NOTES.md, experiment 36).
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device) if plan.allocates_rstd else None
     x = _plain(x)
     # Without rstd the kernel stores none, without the add it reads no residual and writes no sum: y and x
     # stand in for those arguments.
@@ -220,39 +221,66 @@ def fused_add_backward(s, dy, dres, weight, rstd, offset, casting_mode):
     return _backward(s, dy, dres, weight, rstd, offset)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BackwardLaunch:
+    """The launches of one backward but their tensors and ``offset``, cached per call signature (as
+    :class:`_ForwardLaunch`): ``kernel`` writes dx (and dw in the direct plan, dw partial rows otherwise);
+    the chunked plan runs ``rms_norm_bwd_row_dot`` over ``row_dot_grid`` first."""
+
+    cfg: config.BackwardConfig
+    kernel: object
+    grid: tuple[int]
+    constants: tuple  # the kernel's ct.Constant arguments, in order
+    partial_shape: tuple[int, int]  # the fp32 dw partial buffer; (1, 1): a dummy (direct plan, no weight)
+    row_dot_grid: tuple[int] = (0,)
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_launch(device_index, m, n, dtype, has_w, has_dres) -> _BackwardLaunch:
+    k = _kernels()
+    cfg = _backward_config(device_index, m, n, dtype)
+    partial = (cfg.grid, n) if has_w and cfg.plan != "direct" else (1, 1)
+    if cfg.plan == "direct":
+        constants = (cfg.tile_m, cfg.tile_n, cfg.strip_n, cfg.strip_m, has_w, has_dres)
+        grid = (cfg.grid + (cfg.num_chunks if has_w else 0),)
+        return _BackwardLaunch(cfg, k.rms_norm_bwd_direct, grid, constants, partial)
+    if cfg.plan == "persistent":
+        constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w, has_dres)
+        return _BackwardLaunch(cfg, k.rms_norm_bwd_persistent, (cfg.grid,), constants, partial)
+    row_dot_grid = (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),)
+    constants = (cfg.tile_m, cfg.tile_n, has_w, has_dres)
+    return _BackwardLaunch(
+        cfg, k.rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), constants, partial, row_dot_grid
+    )
+
+
 def _backward(x, dy, dres, weight, rstd, offset):
     """The backward launches; ``dres`` (or None) is added to dx by the kernels' HAS_DRES."""
     m, n = x.shape
     dx = torch.empty_like(x)
-    has_w = weight is not None
-    k, launch = _kernels(), _launch()
+    has_w, has_dres = weight is not None, dres is not None
     dev = x.get_device()
-    cfg = _backward_config(dev, m, n, x.dtype)
+    plan = _backward_launch(dev, m, n, x.dtype, has_w, has_dres)
+    launch, cfg = _launch(), plan.cfg
     dy, x, w = _plain(dy), _plain(x), _weight_arg(weight, x)
-    has_dres = dres is not None
     dres = _plain(dres) if has_dres else dx  # a dummy without the add (never read then)
+    dw = torch.empty_like(weight) if has_w else None  # weight is dense: (N,) contiguous, in its dtype
     if cfg.plan == "direct":
-        dw = weight.new_empty((n,)) if has_w else None
-        args = (dy, x, w, rstd, dx, w if dw is None else dw, dres, float(offset), cfg.tile_m, cfg.tile_n)
-        args += (cfg.strip_n, cfg.strip_m, has_w, has_dres)
-        launch(k.rms_norm_bwd_direct, (cfg.grid + (cfg.num_chunks if has_w else 0),), args, dev, cfg.hints)
+        args = (dy, x, w, rstd, dx, w if dw is None else dw, dres, float(offset))
+        launch(plan.kernel, plan.grid, args + plan.constants, dev, cfg.hints)
         return dx, dw
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
-    dw_partial = x.new_empty((cfg.grid, n) if has_w else (1, 1), dtype=torch.float32)
+    dw_partial = torch.empty(plan.partial_shape, dtype=torch.float32, device=x.device)
     if cfg.plan == "persistent":
-        args = (dy, x, w, rstd, dx, dw_partial, dres, float(offset), cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w)
-        launch(k.rms_norm_bwd_persistent, (cfg.grid,), args + (has_dres,), dev, cfg.hints)
+        args = (dy, x, w, rstd, dx, dw_partial, dres, float(offset))
     else:
-        row_dot = x.new_empty((m,), dtype=torch.float32)
+        row_dot = torch.empty((m,), dtype=torch.float32, device=x.device)
         args = (dy, x, w, rstd, row_dot, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        grid = (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),)
-        launch(k.rms_norm_bwd_row_dot, grid, args, dev, cfg.hints)
-        args = (dy, x, w, rstd, row_dot, dx, dw_partial, dres, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(k.rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), args + (has_dres,), dev, cfg.hints)
-    if not has_w:
-        return dx, None
-    dw = weight.new_empty((n,))
-    _reduce_dw(dw_partial, dw, dev)
+        launch(_kernels().rms_norm_bwd_row_dot, plan.row_dot_grid, args, dev, cfg.hints)
+        args = (dy, x, w, rstd, row_dot, dx, dw_partial, dres, float(offset))
+    launch(plan.kernel, plan.grid, args + plan.constants, dev, cfg.hints)
+    if has_w:
+        _reduce_dw(dw_partial, dw, dev)
     return dx, dw
 
 
