@@ -15,6 +15,7 @@ import cProfile
 import io
 import pstats
 import sys
+import time
 
 import torch
 
@@ -81,6 +82,7 @@ def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
         ("tilegym_rms.cutile.backward (host module)", lambda: _cutile().backward(x, dy, w, rstd, 0.0, "llama")),
         ("F.rms_norm forward + autograd.grad", fwd_bwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6))),
         ("floor: Python Function (empty_like only) + grad", fwd_bwd(_EmptyFunction.apply)),
+        ("custom-op path (torch.library autograd) + grad", fwd_bwd(_custom_op_forward)),
         ("rms_norm forward + autograd.grad", fwd_bwd(lambda a, b: tilegym_rms.rms_norm(a, b))),
     ]
 
@@ -98,6 +100,64 @@ class _EmptyFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         return torch.empty_like(x), torch.empty_like(w)
+
+
+def _custom_op_forward(x, w):
+    """The eager call through the torch.compile path's custom op and its registered autograd."""
+    from tilegym_rms import ops
+
+    return ops._rms_norm_fwd_op(x, w, 1e-6, 0.0, "llama", "cutile", None, ops.WIRING)[0]
+
+
+class _TimedBackward(torch.autograd.Function):
+    """A Function whose backward times ``work()`` where autograd runs it (the engine's device thread)."""
+
+    work = staticmethod(lambda: None)
+    seconds: list = []
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        t0 = time.perf_counter()
+        _TimedBackward.work()
+        _TimedBackward.seconds.append(time.perf_counter() - t0)
+        return None, None
+
+
+def engine_thread_split(m, n, dtype, device, calls: int) -> list[tuple[str, float, float]]:
+    """``(name, us on the calling thread, us inside a backward on autograd's thread)`` for pieces of the
+    backward: whether the same Python and launches cost more where autograd runs them."""
+    import cuda.tile as ct
+
+    import tilegym_rms
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile.launch import with_hints
+
+    x = torch.randn(m, n, dtype=dtype, device=device)
+    w, dy = torch.randn(n, dtype=dtype, device=device), torch.randn_like(x)
+    _, rstd = tilegym_rms.rms_norm_forward(x, w)
+    plan = cutile._backward_launch(device.index, m, n, dtype, True, False)
+    kernel, stream = with_hints(plan.kernel, plan.cfg.hints), torch._C._cuda_getCurrentRawStream(device.index)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    args = (dy, x, w, rstd, dx, dw, dx, 0.0) + plan.constants if plan.cfg.plan == "direct" else None
+    pieces = [("torch.empty_like(x)", lambda: torch.empty_like(x))]
+    if args is not None:
+        pieces.append(("ct.launch backward, prepared args", lambda: ct.launch(stream, plan.grid, kernel, args)))
+    pieces.append(("tilegym_rms.cutile.backward (host module)", lambda: cutile.backward(x, dy, w, rstd, 0.0, "llama")))
+    xg = x.clone().requires_grad_()
+    rows = []
+    for name, work in pieces:
+        main = per_call_us(work, device, calls)
+        _TimedBackward.work, _TimedBackward.seconds = staticmethod(work), []
+        for _ in range(20 + calls):
+            _TimedBackward.apply(xg, w).backward(dy)
+        torch.cuda.synchronize(device)
+        inside = sorted(_TimedBackward.seconds[20:])
+        rows.append((name, main, inside[len(inside) // 2] * 1e6))
+    return rows
 
 
 def _cutile():
@@ -149,6 +209,9 @@ def main(argv=None) -> int:
     table = steps(args.m, args.n, base.DTYPES[args.dtype], device)
     for name, fn in table:
         print(f"  {name:<48} {per_call_us(fn, device, args.calls):8.1f}")
+    print("\nthe same work on the calling thread and inside a backward (autograd's device thread), us (median):")
+    for name, main, inside in engine_thread_split(args.m, args.n, base.DTYPES[args.dtype], device, args.calls):
+        print(f"  {name:<48} {main:8.1f} {inside:8.1f}")
     print("\ncProfile of rms_norm forward + autograd.grad (sorted by own time):")
     print(profile_top(table[-1][1], args.calls, args.top))
     print("\ntorch.profiler of the same loop (sorted by total CPU time):")
