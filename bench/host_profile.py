@@ -188,6 +188,43 @@ def engine_thread_split(m, n, dtype, device, calls: int) -> list[tuple[str, floa
     return rows
 
 
+def launch_then_grad(m, n, dtype, device, calls: int) -> list[tuple[str, float]]:
+    """Whether a launch before ``autograd.grad`` makes the grad dearer than the launch itself: the floor
+    Function's forward + grad after nothing, after a torch kernel and after a bare cuTile launch (the
+    ablations above suggested a cuTile forward costs more inside autograd than alone)."""
+    import threading
+
+    import cuda.tile as ct
+
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile.launch import with_hints
+
+    x = torch.randn(m, n, dtype=dtype, device=device)
+    w, dy = torch.randn(n, dtype=dtype, device=device), torch.randn_like(x)
+    y, rstd = torch.empty_like(x), torch.empty(m, dtype=torch.float32, device=device)
+    plan = cutile._forward_launch(device.index, m, n, dtype, None, "llama", True, True, cutile._ADD_NONE)
+    kernel, stream = with_hints(plan.kernel, plan.hints), torch._C._cuda_getCurrentRawStream(device.index)
+    args = (x, w, y, rstd, x, y, 1e-6, 0.0) + plan.constants
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def floor():
+        torch.autograd.grad(_EmptyFunction.apply(xg, wg), (xg, wg), dy)
+
+    def cutile_launch():
+        ct.launch(stream, plan.grid, kernel, args)
+
+    def torch_kernel():
+        y.copy_(x)
+
+    rows = [("floor + grad", per_call_us(floor, device, calls))]
+    for name, before in (("a torch kernel (copy_)", torch_kernel), ("a bare ct.launch", cutile_launch)):
+        rows.append((name + " alone", per_call_us(before, device, calls)))
+        rows.append((name + ", then floor + grad", per_call_us(lambda b=before: (b(), floor()), device, calls)))
+    names = sorted(t.name for t in threading.enumerate())
+    rows.append((f"python threads after the launches: {len(names)} ({', '.join(names)})", 0.0))
+    return rows
+
+
 def _cutile():
     import tilegym_rms.cutile
 
@@ -240,6 +277,9 @@ def main(argv=None) -> int:
     print("\nthe same work on the calling thread and inside a backward (autograd's device thread), us (median):")
     for name, main, inside in engine_thread_split(args.m, args.n, base.DTYPES[args.dtype], device, args.calls):
         print(f"  {name:<48} {main:8.1f} {inside:8.1f}")
+    print("\na launch before autograd.grad, us per call (median):")
+    for name, us in launch_then_grad(args.m, args.n, base.DTYPES[args.dtype], device, args.calls):
+        print(f"  {name:<48} {us:8.1f}")
     print("\ncProfile of rms_norm forward + autograd.grad (sorted by own time):")
     print(profile_top(table[-1][1], args.calls, args.top))
     print("\ntorch.profiler of the same loop (sorted by total CPU time):")
