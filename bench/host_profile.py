@@ -41,21 +41,14 @@ def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
     import torch.nn.functional as F
 
     import tilegym_rms
-    import tilegym_rms.cutile as cutile
-    from tilegym_rms.cutile.launch import with_hints
 
     x = torch.randn(m, n, dtype=dtype, device=device)
     w = torch.randn(n, dtype=dtype, device=device)
     dy = torch.randn_like(x)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     y, rstd = tilegym_rms.rms_norm_forward(x, w)
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
     stream_obj = torch.cuda.current_stream(device)
-    # The launch the host module makes for this input (training forward: llama casting, rstd stored).
-    plan = cutile._forward_launch(device.index, m, n, dtype, None, "llama", True, True, cutile._ADD_NONE)
-    kernel, grid = with_hints(plan.kernel, plan.hints), plan.grid
-    # no residual add: x and y stand in for the residual arguments, as the host module passes them
-    args = (x, w, y, rstd, x, y, 1e-6, 0.0) + plan.constants
+    stream, grid, kernel, args = _prepared_forward(x, w, y, rstd)
     detached_grad_args = (xg.detach(),) + args[1:]
 
     def fwd_bwd(fn):
@@ -89,6 +82,20 @@ def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
         ("floor + both (the work of rms_norm, without ops)", fwd_bwd(_host_function(rstd, True, True).apply)),
         ("rms_norm forward + autograd.grad", fwd_bwd(lambda a, b: tilegym_rms.rms_norm(a, b))),
     ]
+
+
+def _prepared_forward(x, w, y, rstd):
+    """``(raw stream, grid, hinted kernel, arguments)`` of the forward launch the host module makes for ``x``
+    (training forward: llama casting, rstd stored, no residual add), for timing ``ct.launch`` bare."""
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile.launch import with_hints
+
+    m, n = x.shape
+    plan = cutile._forward_launch(x.get_device(), m, n, x.dtype, None, "llama", True, True, cutile._ADD_NONE)
+    stream = torch._C._cuda_getCurrentRawStream(x.get_device())
+    # no residual add: x and y stand in for the residual arguments, as the host module passes them
+    args = (x, w, y, rstd, x, y, 1e-6, 0.0) + plan.constants
+    return stream, plan.grid, with_hints(plan.kernel, plan.hints), args
 
 
 class _EmptyFunction(torch.autograd.Function):
@@ -196,22 +203,17 @@ def launch_then_grad(m, n, dtype, device, calls: int) -> list[tuple[str, float]]
 
     import cuda.tile as ct
 
-    import tilegym_rms.cutile as cutile
-    from tilegym_rms.cutile.launch import with_hints
-
     x = torch.randn(m, n, dtype=dtype, device=device)
     w, dy = torch.randn(n, dtype=dtype, device=device), torch.randn_like(x)
     y, rstd = torch.empty_like(x), torch.empty(m, dtype=torch.float32, device=device)
-    plan = cutile._forward_launch(device.index, m, n, dtype, None, "llama", True, True, cutile._ADD_NONE)
-    kernel, stream = with_hints(plan.kernel, plan.hints), torch._C._cuda_getCurrentRawStream(device.index)
-    args = (x, w, y, rstd, x, y, 1e-6, 0.0) + plan.constants
+    stream, grid, kernel, args = _prepared_forward(x, w, y, rstd)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
 
     def floor():
         torch.autograd.grad(_EmptyFunction.apply(xg, wg), (xg, wg), dy)
 
     def cutile_launch():
-        ct.launch(stream, plan.grid, kernel, args)
+        ct.launch(stream, grid, kernel, args)
 
     def torch_kernel():
         y.copy_(x)
