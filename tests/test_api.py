@@ -208,7 +208,9 @@ def test_cutile_host_hands_kernels_detached_tensors(monkeypatch):
     seen = []
     monkeypatch.setattr(launch, "num_sms", lambda index: 132)
     monkeypatch.setattr(tuning, "device_key", lambda index: "sm90_132sm")  # its table, without a GPU to ask
-    monkeypatch.setattr(cutile, "_launch", lambda: lambda kernel, grid, args, dev, hints=(): seen.append(args))
+    monkeypatch.setattr(
+        cutile, "_launch", lambda: lambda kernel, grid, args, dev, hints=(), built=None: seen.append(args)
+    )
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
     grad_leaf = lambda: torch.randn(4, 8, requires_grad=True)  # noqa: E731
     try:

@@ -85,7 +85,9 @@ def test_forward_launches_the_kernel_of_the_bucket(host, monkeypatch):
     """End to end through ``cutile.forward`` (the launch stubbed): 512 rows run the gather kernel, 528
     rows (4 per SM, but bucket 1024) the persistent one."""
     seen = []
-    monkeypatch.setattr(host, "_launch", lambda: lambda kernel, grid, args, dev, hints=(): seen.append((kernel, grid)))
+    monkeypatch.setattr(
+        host, "_launch", lambda: lambda kernel, grid, args, dev, hints=(), built=None: seen.append((kernel, grid))
+    )
     w = torch.randn(4096, dtype=BF16)
     for m in (512, 528):
         host.forward(torch.randn(m, 4096, dtype=BF16), w, 1e-6, 0.0, "llama")

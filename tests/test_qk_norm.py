@@ -237,7 +237,7 @@ def test_compile_fake_outputs_have_the_real_strides():
 
 
 def _emulated_launch(calls):
-    def launch(kernel, grid, args, dev, hints=()):
+    def launch(kernel, grid, args, dev, hints=(), built=None):
         calls.append(kernel)
         if kernel == "qk_rms_norm_fwd":
             q, k, wq, wk, yq, yk, rq, rk, eps, offset, _tm, _tn, cast, has_wq, has_wk = args

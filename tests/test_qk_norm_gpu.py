@@ -133,7 +133,9 @@ def test_qk_is_one_launch_each_way(monkeypatch):
 
     launched = []
     real = cutile._launch()
-    monkeypatch.setattr(cutile, "_launch", lambda: lambda kernel, *a: launched.append(kernel) or real(kernel, *a))
+    monkeypatch.setattr(
+        cutile, "_launch", lambda: lambda kernel, *a, **kw: launched.append(kernel) or real(kernel, *a, **kw)
+    )
     q, k = (t.requires_grad_() for t in _layout("contiguous", 2, 1024, 128, torch.bfloat16))
     w = [torch.randn(128, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2)]
     yq, yk = tilegym_rms.qk_rms_norm(q, k, *w, backend="cutile")

@@ -138,6 +138,7 @@ class _ForwardLaunch:
     so that a call does one lookup instead of rebuilding it (host time is the latency at small M)."""
 
     kernel: object
+    built: object  # ``kernel`` built with ``hints`` (launch.with_hints), looked up once here
     grid: tuple[int]
     hints: config.Hints
     constants: tuple  # the kernel's ct.Constant arguments, in order
@@ -152,28 +153,39 @@ def _forward_launch(device_index, m, n, dtype, kernel, casting_mode, has_w, stor
     cfg = _forward_config(device_index, m, n, dtype, kernel, "fused_forward" if add != _ADD_NONE else "forward")
     cast = CASTING_CODES[casting_mode]
     if cfg.kernel == "gather":
+        kernel, grid = k.rms_norm_fwd_gather, (m,)
         constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd, add)
-        return _ForwardLaunch(k.rms_norm_fwd_gather, (m,), cfg.hints, constants, store_rstd)
+    else:
+        kernel, grid = k.rms_norm_fwd_persistent, (cfg.grid,)
+        constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add)
     # The persistent kernel always stores rstd (see kernels.STORE_RSTD).
-    constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add)
-    return _ForwardLaunch(k.rms_norm_fwd_persistent, (cfg.grid,), cfg.hints, constants, True)
+    allocates_rstd = store_rstd or cfg.kernel != "gather"
+    return _ForwardLaunch(kernel, _built(kernel, cfg.hints), grid, cfg.hints, constants, allocates_rstd)
+
+
+def _built(kernel, hints):
+    # Through the module attribute: bench/tune_cutile.py swaps launch.with_hints (and clears the plans).
+    from . import launch
+
+    return launch.with_hints(kernel, hints)
 
 
 def _forward(x, residual, res_out, weight, eps, offset, casting_mode, store_rstd, kernel, add):
     """One forward launch: ``(y, rstd)``, with ``add`` the kernels' ADD (``residual`` read, ``res_out``
     written in "pre" mode; both None without the add)."""
     m, n = x.shape
-    y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
     dev = x.get_device()
     plan = _forward_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, add)
-    # torch.empty with a device object: cheaper per call than x.new_empty (bench/NOTES.md, experiment 36).
-    rstd = torch.empty((m,), dtype=torch.float32, device=x.device) if plan.allocates_rstd else None
-    x = _plain(x)
+    y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
+    # Sizes as separate ints: torch parses them faster than a tuple (bench/NOTES.md, experiment 41).
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device) if plan.allocates_rstd else None
+    if x.requires_grad:  # as _plain, inline: this is the per-call path
+        x = x.detach()
     # Without rstd the kernel stores none, without the add it reads no residual and writes no sum: y and x
     # stand in for those arguments.
-    args = (x, _weight_arg(weight, x), y, y if rstd is None else rstd)
-    args += (x if residual is None else _plain(residual), y if res_out is None else res_out, float(eps), float(offset))
-    _launch()(plan.kernel, plan.grid, args + plan.constants, dev, plan.hints)
+    args = (x, _weight_arg(weight, x), y, y if rstd is None else rstd, x if residual is None else _plain(residual),
+            y if res_out is None else res_out, float(eps), float(offset), *plan.constants)  # fmt: skip
+    _launch()(plan.kernel, plan.grid, args, dev, built=plan.built)
     return y, (rstd if store_rstd else None)
 
 
@@ -205,7 +217,8 @@ def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.d
 def _reduce_dw(dw_partial, dw, dev) -> None:
     """``dw = dw_partial.sum(0)`` in a fixed order (``rms_norm_dw_reduce``); ``dw_partial`` is 2-D."""
     red = _reduce_config(dev, dw.shape[0])
-    _launch()(_kernels().rms_norm_dw_reduce, (red.grid,), (dw_partial, dw, red.tile_g, red.tile_n), dev)
+    kernel = _kernels().rms_norm_dw_reduce  # no hints: built is the kernel itself
+    _launch()(kernel, (red.grid,), (dw_partial, dw, red.tile_g, red.tile_n), dev, built=kernel)
 
 
 def backward(x, dy, weight, rstd, offset, casting_mode):
@@ -229,6 +242,7 @@ class _BackwardLaunch:
 
     cfg: config.BackwardConfig
     kernel: object
+    built: object  # as in _ForwardLaunch
     grid: tuple[int]
     constants: tuple  # the kernel's ct.Constant arguments, in order
     partial_shape: tuple[int, int]  # the fp32 dw partial buffer; (1, 1): a dummy (direct plan, no weight)
@@ -243,42 +257,47 @@ def _backward_launch(device_index, m, n, dtype, has_w, has_dres) -> _BackwardLau
     if cfg.plan == "direct":
         constants = (cfg.tile_m, cfg.tile_n, cfg.strip_n, cfg.strip_m, has_w, has_dres)
         grid = (cfg.grid + (cfg.num_chunks if has_w else 0),)
-        return _BackwardLaunch(cfg, k.rms_norm_bwd_direct, grid, constants, partial)
+        return _BackwardLaunch(
+            cfg, k.rms_norm_bwd_direct, _built(k.rms_norm_bwd_direct, cfg.hints), grid, constants, partial
+        )
     if cfg.plan == "persistent":
         constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w, has_dres)
-        return _BackwardLaunch(cfg, k.rms_norm_bwd_persistent, (cfg.grid,), constants, partial)
+        kernel = k.rms_norm_bwd_persistent
+        return _BackwardLaunch(cfg, kernel, _built(kernel, cfg.hints), (cfg.grid,), constants, partial)
     row_dot_grid = (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),)
     constants = (cfg.tile_m, cfg.tile_n, has_w, has_dres)
-    return _BackwardLaunch(
-        cfg, k.rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), constants, partial, row_dot_grid
-    )
+    kernel = k.rms_norm_bwd_column_chunk
+    grid = (cfg.grid, cfg.num_chunks)
+    return _BackwardLaunch(cfg, kernel, _built(kernel, cfg.hints), grid, constants, partial, row_dot_grid)
 
 
 def _backward(x, dy, dres, weight, rstd, offset):
     """The backward launches; ``dres`` (or None) is added to dx by the kernels' HAS_DRES."""
     m, n = x.shape
-    dx = torch.empty_like(x)
     has_w, has_dres = weight is not None, dres is not None
     dev = x.get_device()
     plan = _backward_launch(dev, m, n, x.dtype, has_w, has_dres)
     launch, cfg = _launch(), plan.cfg
-    dy, x, w = _plain(dy), _plain(x), _weight_arg(weight, x)
+    dx = torch.empty_like(x)
+    if x.requires_grad:  # as _plain, inline: this is the per-call path (dy never requires grad here)
+        x = x.detach()
+    dy, w = _plain(dy), _weight_arg(weight, x)
     dres = _plain(dres) if has_dres else dx  # a dummy without the add (never read then)
     dw = torch.empty_like(weight) if has_w else None  # weight is dense: (N,) contiguous, in its dtype
     if cfg.plan == "direct":
-        args = (dy, x, w, rstd, dx, w if dw is None else dw, dres, float(offset))
-        launch(plan.kernel, plan.grid, args + plan.constants, dev, cfg.hints)
+        args = (dy, x, w, rstd, dx, w if dw is None else dw, dres, float(offset), *plan.constants)
+        launch(plan.kernel, plan.grid, args, dev, built=plan.built)
         return dx, dw
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
-    dw_partial = torch.empty(plan.partial_shape, dtype=torch.float32, device=x.device)
+    dw_partial = torch.empty(*plan.partial_shape, dtype=torch.float32, device=x.device)
     if cfg.plan == "persistent":
         args = (dy, x, w, rstd, dx, dw_partial, dres, float(offset))
     else:
-        row_dot = torch.empty((m,), dtype=torch.float32, device=x.device)
+        row_dot = torch.empty(m, dtype=torch.float32, device=x.device)
         args = (dy, x, w, rstd, row_dot, float(offset), cfg.tile_m, cfg.tile_n, has_w)
         launch(_kernels().rms_norm_bwd_row_dot, plan.row_dot_grid, args, dev, cfg.hints)
         args = (dy, x, w, rstd, row_dot, dx, dw_partial, dres, float(offset))
-    launch(plan.kernel, plan.grid, args + plan.constants, dev, cfg.hints)
+    launch(plan.kernel, plan.grid, args + plan.constants, dev, built=plan.built)
     if has_w:
         _reduce_dw(dw_partial, dw, dev)
     return dx, dw

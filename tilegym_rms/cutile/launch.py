@@ -36,10 +36,11 @@ def with_hints(kernel, hints: tuple[tuple[str, int], ...]):
     return kernel.replace_hints(**dict(hints)) if hints else kernel
 
 
-def launch(kernel, grid: tuple[int, ...], args: tuple, device_index: int, hints: tuple = ()) -> None:
-    """Launches ``kernel`` (built with ``hints``, see :func:`with_hints`) on the current
-    stream of CUDA device ``device_index``; warns once if the kernel is experimental. Tensor
-    arguments must not require grad (cuTile exports them through DLPack, which refuses such tensors
-    and falls back to a slow path): callers detach them once."""
+def launch(kernel, grid: tuple[int, ...], args: tuple, device_index: int, hints: tuple = (), built=None) -> None:
+    """Launches ``kernel`` (built with ``hints``, see :func:`with_hints`; or ``built``, that variant
+    already looked up, as the host's cached launch plans hold it) on the current stream of CUDA device
+    ``device_index``; warns once if the kernel is experimental. Tensor arguments must not require grad
+    (cuTile exports them through DLPack, which refuses such tensors and falls back to a slow path):
+    callers detach them once."""
     notify_launch(kernel, "cuda")
-    ct.launch(_current_stream(device_index), grid, with_hints(kernel, hints), args)
+    ct.launch(_current_stream(device_index), grid, built if built is not None else with_hints(kernel, hints), args)
