@@ -155,6 +155,34 @@ def test_overlay_keeps_the_heuristics_switches_and_applies_measured_winners():
     assert table.lookup("forward", 4096, 1024, dtype) == config.forward_candidate(4096, 1024, dtype, sms)
 
 
+def test_overlay_keeps_the_bases_measurements_nearer_than_the_sweeps():
+    """The base measured M bucket 2**20, the sweep 2**15: the sweep's winner holds from 2**15 up to 2**19
+    (the base chose the same there as at 2**15), the base's measured run from 2**20 on, timings and all.
+    (A sweep at 2**15 once replaced a 2**20 measurement and slowed 2**21 rows by 8%: NOTES experiment 42.)"""
+    sms, n, dtype = 132, 64, torch.float16
+    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), sms, "test")
+    analytic = asdict(config.forward_candidate(1 << 15, n, dtype, sms, "persistent"))
+    measured_far = {**analytic, "blocks_per_sm": 128}
+    base_runs = [r for r in base["forward"]["fp16"][str(n)] if r["m"] < 1 << 20]
+    base_far = {"m": 1 << 20, "winner": measured_far, "gbps": {"far": 2.0}}
+    tuning.set_runs(base, "forward", "fp16", n, [*base_runs, base_far])
+    swept = {**analytic, "tile_m": analytic["tile_m"] * 2}
+    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), sms, "measured", "sweep")
+    tuning.set_runs(sweep, "forward", "fp16", n, [{"m": 1 << 15, "winner": swept, "gbps": {"near": 1.0}}])
+    out = tuning.overlay(base, sweep)
+    table = tuning.load(out)
+    before = tuning.load(base)
+    for m in tuning.M_BUCKETS:
+        got = asdict(table.lookup("forward", m, n, dtype))
+        if m < 1 << 15:
+            assert got == asdict(before.lookup("forward", m, n, dtype)), m
+        elif m < 1 << 20:
+            assert got == swept, m
+        else:
+            assert got == measured_far, m
+    assert base_far in out["forward"]["fp16"][str(n)]
+
+
 def test_an_invalid_table_in_the_environment_fails_with_its_path(tmp_path):
     pytest.importorskip("cuda.tile")
     bad = tmp_path / "bad.json"

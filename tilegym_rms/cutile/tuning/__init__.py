@@ -529,23 +529,30 @@ def overlay(base: dict, sweep: dict) -> dict:
     heuristics switch kernel, e.g. to the gather forward at many rows, keep their switch), and buckets
     below the first measured one keep the base's choice. For an op without a base entry the base is what
     the host would fall back to: the fused forward the forward's entry (already overlaid), the qk op and
-    the rest the analytic heuristics. Entries the sweep did not measure stay as in ``base``."""
+    the rest the analytic heuristics. Entries the sweep did not measure stay as in ``base``, and so do the
+    base's own measured runs at M buckets the sweep did not measure: a sweep winner stands for the buckets
+    above its own only up to the next bucket either table measured."""
     out = merge(base, {**sweep, **{op: {} for op in OPS}})
     for op in OPS:  # in order: the forward is overlaid before the fused forward falls back to it
         for dt, by_n in sweep.get(op, {}).items():
             for key, measured_runs in by_n.items():
                 ref_runs = _reference_runs(out, op, dt, key)
                 points = {r["m"]: r for r in measured_runs}
+                own = out.get(op, {}).get(dt, {}).get(key) or []  # not a fallback's: measured for another op
+                base_points = {r["m"]: r for r in own if "gbps" in r and r["m"] not in points}
                 runs: list[dict] = []
                 for m_b in M_BUCKETS:
                     below = [r for r in measured_runs if r["m"] <= m_b]
                     ref = below[-1] if below else None
+                    if ref is not None and any(ref["m"] < p <= m_b for p in base_points):
+                        ref = None  # the base measured a bucket nearer to this one: its choice stands
                     if ref is not None and _winner_at(ref_runs, m_b) == _winner_at(ref_runs, ref["m"]):
                         winner = ref["winner"]
                     else:
                         winner = _winner_at(ref_runs, m_b)
-                    if m_b in points:
-                        runs.append(points[m_b])  # kept whole: its timings document the choice
+                    kept = points.get(m_b) or (base_points.get(m_b) if ref is None else None)
+                    if kept is not None:
+                        runs.append(kept)  # kept whole: its timings document the choice
                     elif not runs or runs[-1]["winner"] != winner:
                         runs.append({"m": m_b, "winner": winner})
                 set_runs(out, op, dt, int(key), runs)
