@@ -238,6 +238,39 @@ def _no_grad(fn, *args):
         return fn(*args)
 
 
+def headline(m: int, n: int, dtype: torch.dtype, device: torch.device, calls: int, rounds: int):
+    """``(name, min us, median us)`` of the calls the host targets name, timed in turns (one batch of each per
+    round) so that a busy stretch of a shared host slows all of them alike; uses only the public API, so
+    the same script times an older checkout of the package (PYTHONPATH) for a before/after comparison."""
+    import torch.nn.functional as F
+
+    import tilegym_rms
+
+    x = torch.randn(m, n, dtype=dtype, device=device)
+    w = torch.randn(n, dtype=dtype, device=device)
+    dy = torch.randn_like(x)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def fwd_bwd(fn):
+        return lambda: torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
+
+    pieces = [
+        ("F.rms_norm, no grad", lambda: _no_grad(F.rms_norm, x, (n,), w, 1e-6)),
+        ("rms_norm, no grad", lambda: _no_grad(tilegym_rms.rms_norm, x, w)),
+        ("floor: Python Function + grad", fwd_bwd(_EmptyFunction.apply)),
+        ("F.rms_norm forward + autograd.grad", fwd_bwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6))),
+        ("rms_norm forward + autograd.grad", fwd_bwd(tilegym_rms.rms_norm)),
+    ]
+    samples = {name: [] for name, _ in pieces}
+    for _, fn in pieces:
+        for _ in range(20):
+            fn()
+    for _ in range(rounds):
+        for name, fn in pieces:
+            samples[name] += timing.wall_latency_us(fn, device, calls, 1)
+    return [(name, min(samples[name]), traffic.summarize(samples[name])[0]) for name, _ in pieces]
+
+
 def profile_top(fn, calls: int, top: int) -> str:
     prof = cProfile.Profile()
     prof.enable()
@@ -268,10 +301,21 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", type=cli_args.parse_dtype, default="bf16")
     parser.add_argument("--calls", type=int, default=500, help="calls per timed batch")
     parser.add_argument("--top", type=int, default=25, help="cProfile rows to print")
+    parser.add_argument(
+        "--headline", type=int, metavar="ROUNDS", help="only the target calls, in turns over ROUNDS rounds"
+    )
     args = parser.parse_args(argv)
     device = timing.cuda_device(parser.prog)
     if device is None:
         return 2
+    if args.headline:
+        import tilegym_rms
+
+        print(f"{torch.cuda.get_device_name(device)}; M={args.m} N={args.n} {args.dtype}; {tilegym_rms.__file__}")
+        rows = headline(args.m, args.n, base.DTYPES[args.dtype], device, args.calls, args.headline)
+        for name, low, mid in rows:
+            print(f"  {name:<48} min {low:8.1f}  median {mid:8.1f}")
+        return 0
     print(f"{torch.cuda.get_device_name(device)}; M={args.m} N={args.n} {args.dtype}; us per call (median)")
     table = steps(args.m, args.n, base.DTYPES[args.dtype], device)
     for name, fn in table:

@@ -252,7 +252,9 @@ class Session:
     def run_latency(
         self, op: str, ms: list[int], n: int, dtype_name: str, calls: int, warmup: int = 10
     ) -> list[records.Point]:
-        """Wall-clock microseconds per eager call (host + device) for small shapes."""
+        """Wall-clock microseconds per eager call (host + device) for small shapes. The providers of one M
+        take turns, one repetition each: a busy stretch of a shared host then slows every provider alike
+        instead of whichever ran during it (bench/NOTES.md, experiment 41)."""
         points = []
         total = len(ms) * len(self.providers)
         idx = 0
@@ -263,24 +265,38 @@ class Session:
             sets = providers.InputSets(
                 m, n, dtype, self.device, 1, self.args.seed, self.args.eps, need_dy=op != "forward"
             )
+            timed, calls_of = [], {}  # every provider's point, in order; the call of each that passed its check
             for provider in self.providers:
-                idx += 1
                 extra = {"N": n, "dtype": dtype_name, "suite": "latency"}
                 p = records.Point(
                     self.kernel_name, op, "latency", provider.name, dtype_name, m, n, "M", "rows M", m, extra
                 )
                 p.metric = "latency"
-                p.method = "wall clock per eager call (perf_counter, sync at the end)"
-                call = None
+                p.method = "wall clock per eager call (perf_counter, sync at the end; providers interleaved)"
+                p.us = []
+                timed.append(p)
                 try:
                     call = self.checked_call(p, provider, sets)
                     for _ in range(warmup):
                         call(0)
-                    p.us = timing.wall_latency_us(lambda c=call: c(0), self.device, calls, self.args.reps)
+                    calls_of[id(p)] = call
                 except Exception as exc:  # noqa: BLE001 - one failing provider must not end the run
                     self.failed(p, exc)
-                call = None
+            for _ in range(self.args.reps):
+                for p in timed:
+                    call = calls_of.get(id(p))
+                    if call is None:
+                        continue
+                    try:
+                        p.us += timing.wall_latency_us(lambda c=call: c(0), self.device, calls, 1)
+                    except Exception as exc:  # noqa: BLE001
+                        self.failed(p, exc)
+                        p.us = []
+                        del calls_of[id(p)]
+            for p in timed:
+                idx += 1
                 self.keep(p, points, idx, total)
+            calls_of = None
             del sets
             self.release()
             self.save()
