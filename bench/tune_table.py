@@ -304,7 +304,7 @@ def qk_product_views(t: torch.Tensor) -> torch.Tensor:
     """The ``(G, H, D)`` view ``qk_rms_norm`` hands the cuTile host for ``t`` (ops merges the dims of dense
     layouts: a contiguous ``(tokens, heads, D)`` becomes ``(tokens * heads, 1, D)``). The kernels walk the
     two layouts differently, so a sweep on other views would tune a walk the product does not run."""
-    return ops._heads_view(t, ops._heads_shape(t))
+    return ops._heads(t)
 
 
 def _call(cutile, kind: str, w):

@@ -98,7 +98,7 @@ def test_a_transposed_input_gives_a_transposed_output_of_the_projection_layout()
 def test_heads_view_reads_in_place_where_a_3d_view_exists(layout):
     q, _ = _layout(layout, 16)
     qo = ops._in_order(q, ops._stride_order(q))
-    q3 = ops._heads_view(qo, ops._heads_shape(qo))
+    q3 = ops._heads(qo)
     assert q3.dim() == 3 and q3.stride(2) == 1 and ops._rows_apart(q3)
     assert (q3.data_ptr() == q.data_ptr()) == (layout in IN_PLACE_LAYOUTS)
     assert torch.equal(q3.reshape(-1, 16), qo.reshape(-1, 16))  # rows in the stride order

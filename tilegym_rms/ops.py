@@ -598,6 +598,11 @@ def _heads_view(t: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     return t3 if _rows_apart(t3) else t3.contiguous()
 
 
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    """The ``(G, H, D)`` view the backend's qk kernels take of ``t`` (already in stride order)."""
+    return _heads_view(t, _heads_shape(t))
+
+
 def _qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode, backend):
     """``(q_out, k_out, q_rstd, k_rstd)``, outputs dense in the inputs' stride order, rstd flat."""
     module = _backend(q, backend)
@@ -605,7 +610,7 @@ def _qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode, backend):
     qo, ko = _in_order(q, orders[0]), _in_order(k, orders[1])
     fused = getattr(module, "qk_forward", None)
     if fused is not None and q.numel() > 0 and k.numel() > 0:
-        q3, k3 = _heads_view(qo, _heads_shape(qo)), _heads_view(ko, _heads_shape(ko))
+        q3, k3 = _heads(qo), _heads(ko)
         yq, yk, rq, rk = fused(q3, k3, _dense_weight(q_weight), _dense_weight(k_weight), eps, offset, casting_mode)
         outs = ((yq.view(qo.shape), rq), (yk.view(ko.shape), rk))
     else:  # no qk kernel, or an empty tensor: the plain norm on each
