@@ -115,7 +115,7 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
     from tilegym_rms.cutile import launch, tuning
 
     # the constants: after the arrays and scalars (8 of a forward, 10 of the qk forward, 12 of its backward)
-    skip = {"qk_rms_norm_fwd": 10, "qk_rms_norm_bwd": 12, "rms_norm_bwd_column_chunk": 9}
+    skip = {"qk_rms_norm_fwd": 10, "qk_rms_norm_bwd": 12, "rms_norm_bwd_column_chunk": 9, "rms_norm_bwd_row_dot": 6}
     compiled = {(v.kernel_name, v.params[skip.get(v.kernel_name, 8) :], v.hints) for v in aot.variants()}
     adds = {"forward": (cutile._ADD_NONE,), "fused_forward": tuple(cutile._ADD_MODES.values())}
     checked = dict.fromkeys((*adds, "backward", "qk"), 0)
@@ -138,6 +138,8 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
                 b = cutile._backward_launch(0, m, n, dtype, True, has_dres)
             want = (_BACKWARD_NAMES[b.kernel], b.constants, b.cfg.hints)
             assert want in compiled, (key, m, n, dtype, b)
+            if b.cfg.plan == "chunked":  # its first launch, the row dots
+                assert ("rms_norm_bwd_row_dot", b.row_dot_constants, b.cfg.hints) in compiled, (key, m, n, dtype, b)
         checked["backward"] += 1
     for key, sms, m, d, dtype in _measured_points("qk"):
         monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)

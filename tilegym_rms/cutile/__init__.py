@@ -247,6 +247,8 @@ class _BackwardLaunch:
     constants: tuple  # the kernel's ct.Constant arguments, in order
     partial_shape: tuple[int, int]  # the fp32 dw partial buffer; (1, 1): a dummy (direct plan, no weight)
     row_dot_grid: tuple[int] = (0,)
+    row_dot_built: object = None  # rms_norm_bwd_row_dot built with the config's hints (chunked plan)
+    row_dot_constants: tuple = ()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -268,7 +270,8 @@ def _backward_launch(device_index, m, n, dtype, has_w, has_dres) -> _BackwardLau
     constants = (cfg.tile_m, cfg.tile_n, has_w, has_dres)
     kernel = k.rms_norm_bwd_column_chunk
     grid = (cfg.grid, cfg.num_chunks)
-    return _BackwardLaunch(cfg, kernel, _built(kernel, cfg.hints), grid, constants, partial, row_dot_grid)
+    row_dot = (_built(k.rms_norm_bwd_row_dot, cfg.hints), (cfg.tile_m, cfg.tile_n, has_w))
+    return _BackwardLaunch(cfg, kernel, _built(kernel, cfg.hints), grid, constants, partial, row_dot_grid, *row_dot)
 
 
 def _backward(x, dy, dres, weight, rstd, offset):
@@ -294,8 +297,8 @@ def _backward(x, dy, dres, weight, rstd, offset):
         args = (dy, x, w, rstd, dx, dw_partial, dres, float(offset))
     else:
         row_dot = torch.empty(m, dtype=torch.float32, device=x.device)
-        args = (dy, x, w, rstd, row_dot, float(offset), cfg.tile_m, cfg.tile_n, has_w)
-        launch(_kernels().rms_norm_bwd_row_dot, plan.row_dot_grid, args, dev, cfg.hints)
+        args = (dy, x, w, rstd, row_dot, float(offset), *plan.row_dot_constants)
+        launch(_kernels().rms_norm_bwd_row_dot, plan.row_dot_grid, args, dev, built=plan.row_dot_built)
         args = (dy, x, w, rstd, row_dot, dx, dw_partial, dres, float(offset))
     launch(plan.kernel, plan.grid, args + plan.constants, dev, built=plan.built)
     if has_w:
