@@ -83,9 +83,8 @@ def _forward(x, weight, eps, offset, casting_mode, backend, kernel=None, store_r
 
 def _backward(x, dy, weight, rstd, offset, casting_mode, backend, dres=None):
     """``(dx, dw)``; with ``dres`` (the gradient of a fused add's residual_out, like ``x``) ``dx + dres``
-    from the backend's one-pass :meth:`~tilegym_rms.dispatch.FusedAddBackwardBackend.fused_add_backward`.
-    ``x``'s dtype is the backend's (checked by the forward, or by :func:`rms_norm_backward`)."""
-    module = backend_module(backend)
+    from the backend's one-pass :meth:`~tilegym_rms.dispatch.FusedAddBackwardBackend.fused_add_backward`."""
+    module = _backend(x, backend)
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format), (
             torch.zeros_like(weight) if weight is not None else None
@@ -265,7 +264,6 @@ def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode="llama", 
     _checks.check_like("dy", dy, x)
     _checks.check_rstd(rstd, x)
     name = resolve_backend(x.device, backend)
-    _backend(x, name)  # the dtype check, which the other callers of _backward made in the forward
     with torch.no_grad():
         if type(x) is not torch.Tensor and _dtensor.is_dtensor(x):  # local shards, as in rms_norm
             return _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, name)
