@@ -179,8 +179,7 @@ def _forward(x, residual, res_out, weight, eps, offset, casting_mode, store_rstd
     y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
     # Sizes as separate ints: torch parses them faster than a tuple (bench/NOTES.md, experiment 41).
     rstd = torch.empty(m, dtype=torch.float32, device=x.device) if plan.allocates_rstd else None
-    if x.requires_grad:  # as _plain, inline: this is the per-call path
-        x = x.detach()
+    x = _plain(x)
     # Without rstd the kernel stores none, without the add it reads no residual and writes no sum: y and x
     # stand in for those arguments.
     args = (x, _weight_arg(weight, x), y, y if rstd is None else rstd, x if residual is None else _plain(residual),
@@ -282,9 +281,7 @@ def _backward(x, dy, dres, weight, rstd, offset):
     plan = _backward_launch(dev, m, n, x.dtype, has_w, has_dres)
     launch, cfg = _launch(), plan.cfg
     dx = torch.empty_like(x)
-    if x.requires_grad:  # as _plain, inline: this is the per-call path (dy never requires grad here)
-        x = x.detach()
-    dy, w = _plain(dy), _weight_arg(weight, x)
+    dy, x, w = _plain(dy), _plain(x), _weight_arg(weight, x)
     dres = _plain(dres) if has_dres else dx  # a dummy without the add (never read then)
     dw = torch.empty_like(weight) if has_w else None  # weight is dense: (N,) contiguous, in its dtype
     if cfg.plan == "direct":
