@@ -265,7 +265,7 @@ class Session:
             sets = providers.InputSets(
                 m, n, dtype, self.device, 1, self.args.seed, self.args.eps, need_dy=op != "forward"
             )
-            timed, calls_of = [], {}  # every provider's point, in order; the call of each that passed its check
+            timed = []  # [point, its call or None once it failed], one per provider, in order
             for provider in self.providers:
                 extra = {"N": n, "dtype": dtype_name, "suite": "latency"}
                 p = records.Point(
@@ -274,29 +274,28 @@ class Session:
                 p.metric = "latency"
                 p.method = "wall clock per eager call (perf_counter, sync at the end; providers interleaved)"
                 p.us = []
-                timed.append(p)
+                timed.append([p, None])
                 try:
                     call = self.checked_call(p, provider, sets)
                     for _ in range(warmup):
                         call(0)
-                    calls_of[id(p)] = call
+                    timed[-1][1] = call
                 except Exception as exc:  # noqa: BLE001 - one failing provider must not end the run
                     self.failed(p, exc)
             for _ in range(self.args.reps):
-                for p in timed:
-                    call = calls_of.get(id(p))
+                for entry in timed:
+                    p, call = entry
                     if call is None:
                         continue
                     try:
                         p.us += timing.wall_latency_us(lambda c=call: c(0), self.device, calls, 1)
                     except Exception as exc:  # noqa: BLE001
                         self.failed(p, exc)
-                        p.us = []
-                        del calls_of[id(p)]
-            for p in timed:
+                        p.us, entry[1] = [], None
+            for p, _ in timed:
                 idx += 1
                 self.keep(p, points, idx, total)
-            calls_of = None
+            timed = None  # the calls hold the input sets
             del sets
             self.release()
             self.save()
