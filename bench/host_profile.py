@@ -35,6 +35,20 @@ def per_call_us(fn, device: torch.device, calls: int, reps: int = 5) -> float:
     return traffic.summarize(timing.wall_latency_us(fn, device, calls, reps))[0]
 
 
+class _Inputs:
+    """x, w and dy of one (M, N) call, and grad-requiring copies of x and w for forward + grad timings."""
+
+    def __init__(self, m: int, n: int, dtype: torch.dtype, device: torch.device):
+        self.x = torch.randn(m, n, dtype=dtype, device=device)
+        self.w = torch.randn(n, dtype=dtype, device=device)
+        self.dy = torch.randn_like(self.x)
+        self.xg, self.wg = self.x.clone().requires_grad_(), self.w.clone().requires_grad_()
+
+    def fwd_bwd(self, fn):
+        """A call of ``fn(xg, wg)`` followed by ``torch.autograd.grad`` of its output."""
+        return lambda: torch.autograd.grad(fn(self.xg, self.wg), (self.xg, self.wg), self.dy)
+
+
 def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
     """``(name, zero-argument callable)`` for each piece of an eager call, cheapest first."""
     import cuda.tile as ct
@@ -42,21 +56,12 @@ def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
 
     import tilegym_rms
 
-    x = torch.randn(m, n, dtype=dtype, device=device)
-    w = torch.randn(n, dtype=dtype, device=device)
-    dy = torch.randn_like(x)
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    inputs = _Inputs(m, n, dtype, device)
+    x, w, dy, xg, fwd_bwd = inputs.x, inputs.w, inputs.dy, inputs.xg, inputs.fwd_bwd
     y, rstd = tilegym_rms.rms_norm_forward(x, w)
     stream_obj = torch.cuda.current_stream(device)
     stream, grid, kernel, args = _prepared_forward(x, w, y, rstd)
     detached_grad_args = (xg.detach(),) + args[1:]
-
-    def fwd_bwd(fn):
-        def run():
-            out = fn(xg, wg)
-            torch.autograd.grad(out, (xg, wg), dy)
-
-        return run
 
     return [
         ("torch.empty (M, N)", lambda: torch.empty((m, n), dtype=dtype, device=device)),
@@ -171,8 +176,8 @@ def engine_thread_split(m, n, dtype, device, calls: int) -> list[tuple[str, floa
     import tilegym_rms
     import tilegym_rms.cutile as cutile
 
-    x = torch.randn(m, n, dtype=dtype, device=device)
-    w, dy = torch.randn(n, dtype=dtype, device=device), torch.randn_like(x)
+    inputs = _Inputs(m, n, dtype, device)
+    x, w, dy, xg = inputs.x, inputs.w, inputs.dy, inputs.xg
     _, rstd = tilegym_rms.rms_norm_forward(x, w)
     plan = cutile._backward_launch(device.index, m, n, dtype, True, False)
     kernel, stream = plan.built, torch._C._cuda_getCurrentRawStream(device.index)
@@ -182,7 +187,6 @@ def engine_thread_split(m, n, dtype, device, calls: int) -> list[tuple[str, floa
     if args is not None:
         pieces.append(("ct.launch backward, prepared args", lambda: ct.launch(stream, plan.grid, kernel, args)))
     pieces.append(("tilegym_rms.cutile.backward (host module)", lambda: cutile.backward(x, dy, w, rstd, 0.0, "llama")))
-    xg = x.clone().requires_grad_()
     rows = []
     for name, work in pieces:
         main = per_call_us(work, device, calls)
@@ -203,14 +207,11 @@ def launch_then_grad(m, n, dtype, device, calls: int) -> list[tuple[str, float]]
 
     import cuda.tile as ct
 
-    x = torch.randn(m, n, dtype=dtype, device=device)
-    w, dy = torch.randn(n, dtype=dtype, device=device), torch.randn_like(x)
+    inputs = _Inputs(m, n, dtype, device)
+    x, w = inputs.x, inputs.w
     y, rstd = torch.empty_like(x), torch.empty(m, dtype=torch.float32, device=device)
     stream, grid, kernel, args = _prepared_forward(x, w, y, rstd)
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-
-    def floor():
-        torch.autograd.grad(_EmptyFunction.apply(xg, wg), (xg, wg), dy)
+    floor = inputs.fwd_bwd(_EmptyFunction.apply)
 
     def cutile_launch():
         ct.launch(stream, grid, kernel, args)
@@ -246,14 +247,8 @@ def headline(m: int, n: int, dtype: torch.dtype, device: torch.device, calls: in
 
     import tilegym_rms
 
-    x = torch.randn(m, n, dtype=dtype, device=device)
-    w = torch.randn(n, dtype=dtype, device=device)
-    dy = torch.randn_like(x)
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-
-    def fwd_bwd(fn):
-        return lambda: torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
-
+    inputs = _Inputs(m, n, dtype, device)
+    x, w, fwd_bwd = inputs.x, inputs.w, inputs.fwd_bwd
     pieces = [
         ("F.rms_norm, no grad", lambda: _no_grad(F.rms_norm, x, (n,), w, 1e-6)),
         ("rms_norm, no grad", lambda: _no_grad(tilegym_rms.rms_norm, x, w)),
