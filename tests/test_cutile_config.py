@@ -318,3 +318,29 @@ def test_qk_config_follows_a_table_entry():
     assert c.fwd_hints == () and c.bwd_hints == (("occupancy", 3),)
     few = config.qk_config(48, 12, 96, BF16, SMS, entry)  # never more blocks than row tiles
     assert (few.fwd_grid, few.bwd_grid) == (1 + 1, 6 + 2)
+
+
+@pytest.mark.parametrize("n", [64, 1152, 4096, 5120, 8192])
+def test_backward_keeps_dw_per_row_for_many_row_tiles_of_short_rows(n):
+    """The persistent backward accumulates dw per tile row (kernels.DW_PER_ROW) when a tile holds several
+    rows of at most bwd_dw_per_row_max_row columns; one-row tiles and wider rows sum each tile at once."""
+    bound = config.HEURISTICS.bwd_dw_per_row_max_row
+    cfg = config.backward_config(65536, n, torch.bfloat16, SMS)
+    assert cfg.plan == "persistent"
+    assert cfg.dw_per_row == (cfg.tile_m > 1 and cfg.tile_n + cfg.tail_n <= bound)
+    with config.override(bwd_dw_per_row_max_row=0):
+        assert not config.backward_config(65536, n, torch.bfloat16, SMS).dw_per_row
+    assert config.backward_config(65536, 64, torch.bfloat16, SMS).dw_per_row
+    assert not config.backward_config(65536, 8192, torch.bfloat16, SMS).dw_per_row
+
+
+def test_backward_sums_each_tile_for_the_narrowest_rows_from_many_rows_on():
+    """From bwd_dw_per_row_many_m rows on, counted by M's bucket (2000000 rows are in 2^21's), rows narrower
+    than bwd_dw_per_row_many_m_min_row go back to summing each tile; wider short rows keep dw per row."""
+    p = config.HEURISTICS
+    many, narrow = p.bwd_dw_per_row_many_m, p.bwd_dw_per_row_many_m_min_row // 2
+    for m in (many // 2 + 1, many, many + 12345):
+        assert config.m_bucket(m) >= many
+        assert not config.backward_config(m, narrow, torch.float16, SMS).dw_per_row
+        assert config.backward_config(m, 2 * narrow, torch.float16, SMS).dw_per_row
+    assert config.backward_config(many // 4, narrow, torch.float16, SMS).dw_per_row

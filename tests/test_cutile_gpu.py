@@ -89,6 +89,26 @@ def test_backward_rows_split_into_tile_and_tail(n, dtype, weight):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [128, 1000, 1152])
+@pytest.mark.parametrize("per_row_max", [0, 2048])
+def test_backward_dw_per_row_and_per_tile(n, dtype, per_row_max):
+    """The persistent backward's two dw accumulations (kernels.DW_PER_ROW), chosen by the heuristic's bound:
+    rows of many-row tiles, with a tail tile at 1152 (1024 + 128); the host's plan carries the choice."""
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile import config
+
+    cutile.clear_caches()
+    try:
+        with config.override(bwd_dw_per_row_max_row=per_row_max):
+            plan = cutile._backward_launch(0, 4097, n, dtype, True, False)
+            assert plan.cfg.plan == "persistent" and plan.cfg.tile_m > 1
+            assert plan.cfg.dw_per_row == (per_row_max > 0) == plan.constants[-1]
+            _check(4097, n, dtype)
+    finally:
+        cutile.clear_caches()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
 @pytest.mark.parametrize("weight,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])
 @pytest.mark.parametrize("m,n", [(7, 123), (4097, 4096), (128, 16384)])

@@ -20,18 +20,19 @@ REPO = Path(__file__).resolve().parents[1]
 # The forward / backward configs of the 14-shape grid (bench.base.GRID_M x GRID_N) as the heuristics chose
 # them before they became data (commit 76ffe7e, H100: 132 SMs), through the host (forward: M's bucket,
 # the grid following M). ForwardConfig: kernel, tile_m, tile_n, single_tile, grid, hints, tail_n.
-# BackwardConfig: plan, tile_m, tile_n, grid, num_chunks, hints, tail_n, strip_n, strip_m.
+# BackwardConfig: plan, tile_m, tile_n, grid, num_chunks, hints, tail_n, strip_n, strip_m, and dw_per_row (added
+# after the freeze: many-row tiles of at most Heuristics.bwd_dw_per_row_max_row columns).
 O2, O8, O4 = (("occupancy", 2),), (("occupancy", 8),), (("occupancy", 4),)
 W8O8 = (("num_worker_warps", 8), ("occupancy", 8))
 W8O1 = (("num_worker_warps", 8), ("occupancy", 1))
 BWD = {
-    1024: ("persistent", 8, 1024, 264, 1, O2, 0, 0, 0),
-    2048: ("persistent", 4, 2048, 264, 1, O2, 0, 0, 0),
-    4096: ("persistent", 2, 4096, 264, 1, O2, 0, 0, 0),
-    5120: ("persistent", 1, 4096, 264, 1, O2, 1024, 0, 0),
-    7168: ("persistent", 2, 8192, 132, 1, W8O1, 0, 0, 0),
-    8192: ("persistent", 2, 8192, 132, 1, W8O1, 0, 0, 0),
-    16384: ("persistent", 1, 16384, 132, 1, W8O1, 0, 0, 0),
+    1024: ("persistent", 8, 1024, 264, 1, O2, 0, 0, 0, False),
+    2048: ("persistent", 4, 2048, 264, 1, O2, 0, 0, 0, False),
+    4096: ("persistent", 2, 4096, 264, 1, O2, 0, 0, 0, False),
+    5120: ("persistent", 1, 4096, 264, 1, O2, 1024, 0, 0, False),
+    7168: ("persistent", 2, 8192, 132, 1, W8O1, 0, 0, 0, False),
+    8192: ("persistent", 2, 8192, 132, 1, W8O1, 0, 0, 0, False),
+    16384: ("persistent", 1, 16384, 132, 1, W8O1, 0, 0, 0, False),
 }
 FWD_4096 = {
     1024: ("persistent", 16, 1024, True, 256, O2, 0),
@@ -682,6 +683,7 @@ def test_wide_candidates_extend_the_quick_ones(op, m, n):
         # up to one row tile per block at large M (the grid is capped by the row tiles)
         assert max(c.blocks_per_sm for c in wide) == 64 * quick[0].blocks_per_sm
         assert {c.occupancy for c in wide} > {c.occupancy for c in quick}
+
 
 
 def test_the_qk_sweep_times_the_views_the_product_launches(tune_table):

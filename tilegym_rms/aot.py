@@ -79,7 +79,7 @@ def _backward_variants(b, dtype, has_w, has_dres, add) -> None:
         add("rms_norm_bwd_direct", *args, hints=b.hints)
         return  # no partial buffer, no reduction
     if b.plan == "persistent":
-        args = (x2, x2, w1, r1, x2, _arr(_F32, 2), x2, _S, b.tile_m, b.tile_n, b.tail_n, has_w, has_dres)
+        args = (x2, x2, w1, r1, x2, _arr(_F32, 2), x2, _S, b.tile_m, b.tile_n, b.tail_n, has_w, has_dres, b.dw_per_row)
         add("rms_norm_bwd_persistent", *args, hints=b.hints)
     else:
         add("rms_norm_bwd_row_dot", x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w, hints=b.hints)

@@ -262,7 +262,7 @@ def _backward_launch(device_index, m, n, dtype, has_w, has_dres) -> _BackwardLau
             cfg, k.rms_norm_bwd_direct, _built(k.rms_norm_bwd_direct, cfg.hints), grid, constants, partial
         )
     if cfg.plan == "persistent":
-        constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w, has_dres)
+        constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w, has_dres, cfg.dw_per_row)
         kernel = k.rms_norm_bwd_persistent
         return _BackwardLaunch(cfg, kernel, _built(kernel, cfg.hints), (cfg.grid,), constants, partial)
     row_dot_grid = (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),)

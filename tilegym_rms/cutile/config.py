@@ -76,6 +76,13 @@ class Heuristics:
     # than max_tile_m: x and dy of one such tile are only a few KB; experiments 26 and 32, every dtype).
     bwd_short_max_row: int = 128
     bwd_short_tile_m: int = 32
+    # Persistent backward tiles of more than one row and at most this many columns (tile plus tail) keep dw
+    # as one fp32 accumulator per tile row (kernels.DW_PER_ROW), summed once at the end rather than summed
+    # over the tile's rows at every step; 0: never. From bwd_dw_per_row_many_m rows on, rows narrower than
+    # bwd_dw_per_row_many_m_min_row sum each tile at once again, which measured faster there (experiment 43).
+    bwd_dw_per_row_max_row: int = 512
+    bwd_dw_per_row_many_m: int = 1 << 21
+    bwd_dw_per_row_many_m_min_row: int = 128
     bwd_narrow_blocks_per_sm: int = 2
     bwd_narrow_occupancy: int = 2
     bwd_narrow_worker_warps: int = 0
@@ -193,6 +200,7 @@ class BackwardConfig:
     tail_n: int = 0  # persistent: width of the tail tile after the first tile_n columns (0: none)
     strip_n: int = 0  # direct: columns of one dw strip
     strip_m: int = 0  # direct: rows a dw strip block sums per step
+    dw_per_row: bool = False  # persistent: dw kept per tile row (kernels.DW_PER_ROW)
 
 
 @dataclass(frozen=True)
@@ -356,6 +364,15 @@ def backward_candidate(
     )
 
 
+def _dw_per_row(cand: BackwardCandidate, m: int, p: Heuristics) -> bool:
+    """Whether the persistent backward keeps dw per tile row (see bwd_dw_per_row_max_row). M counts by its
+    bucket, as the tuning table does, so every M of a bucket launches the variant measured for it."""
+    row = cand.tile_n + cand.tail_n
+    if m_bucket(m) >= p.bwd_dw_per_row_many_m and row < p.bwd_dw_per_row_many_m_min_row:
+        return False
+    return cand.tile_m > 1 and row <= p.bwd_dw_per_row_max_row
+
+
 def build_backward(cand: BackwardCandidate, m: int, n: int, num_sms: int) -> BackwardConfig:
     """The launch configuration of a candidate for an ``(m, n)`` input (grids and dw strips follow M, N)."""
     hints = _hints(occupancy=cand.occupancy, num_worker_warps=cand.num_worker_warps)
@@ -367,7 +384,8 @@ def build_backward(cand: BackwardCandidate, m: int, n: int, num_sms: int) -> Bac
         return BackwardConfig("direct", cand.tile_m, cand.tile_n, grid, cdiv(n, strip_n), hints, 0, strip_n, strip_m)
     if cand.plan == "persistent":
         grid = min(num_sms * cand.blocks_per_sm, cdiv(m, cand.tile_m))
-        return BackwardConfig("persistent", cand.tile_m, cand.tile_n, grid, 1, hints, cand.tail_n)
+        per_row = _dw_per_row(cand, m, HEURISTICS)
+        return BackwardConfig("persistent", cand.tile_m, cand.tile_n, grid, 1, hints, cand.tail_n, dw_per_row=per_row)
     num_chunks = cdiv(n, cand.tile_n)
     # Enough row workers that (workers x chunks) fills the GPU, never more than there are row tiles.
     grid = max(1, min(cdiv(num_sms * cand.blocks_per_sm, num_chunks), cdiv(m, cand.tile_m)))

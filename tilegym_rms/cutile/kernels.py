@@ -18,6 +18,11 @@ product or a dw column. Compile-time constants:
   ``y`` (dummies, never read or written). ``res_out`` may be ``residual`` itself (the in-place
   variant): every element of ``residual`` is read for the last time in the step that writes its
   ``s``, so the write never precedes a read of the same element.
+* ``DW_PER_ROW`` (persistent backward): the block's fp32 dw share is kept as one accumulator per tile row,
+  summed over the rows once at the end, instead of a ``(1, TILE_N)`` accumulator that each row tile is
+  summed into. The per-step sum over the tile's rows is a reduction across the block's threads; for short
+  rows with many rows per tile that reduction, not the loads, sets the pace of a step. It costs
+  ``TILE_M x TILE_N`` more fp32 registers. Summation order changes with it, still fixed (deterministic).
 * ``HAS_DRES`` (backward): adds ``dres``, the gradient of a fused add's ``residual_out`` (mode "pre"),
   to dx in fp32 before its one rounding, so that ``ds`` is written once; else ``dres`` is a dummy.
 
@@ -215,6 +220,27 @@ def _dw_rows(dyf, xhat):
     return ct.sum(dyf * xhat, axis=0, keepdims=True)
 
 
+def _dw_zeros(TILE_M, TILE_N, DW_PER_ROW):
+    """A block's dw accumulator: ``(TILE_M, TILE_N)`` with ``DW_PER_ROW``, else ``(1, TILE_N)``."""
+    if DW_PER_ROW:
+        return ct.zeros((TILE_M, TILE_N), dtype=_F32)
+    return ct.zeros((1, TILE_N), dtype=_F32)
+
+
+def _dw_add(acc, dyf, xhat, DW_PER_ROW):
+    """``acc`` plus one row tile's dw share (see ``DW_PER_ROW``)."""
+    if DW_PER_ROW:
+        return acc + dyf * xhat
+    return acc + _dw_rows(dyf, xhat)
+
+
+def _dw_total(acc, DW_PER_ROW):
+    """The block's dw share as a ``(1, TILE_N)`` row."""
+    if DW_PER_ROW:
+        return ct.sum(acc, axis=0, keepdims=True)
+    return acc
+
+
 def _dx(g, xhat, c, r, dres, index, shape, HAS_DRES, dtype):
     """``dx = rstd * (g - x^ * c)`` with ``c`` the row's ``mean(x^ * g)``, in ``dtype``; with ``HAS_DRES``
     plus tile ``index`` of ``dres`` (a fused add's ``ds``), added before the one rounding."""
@@ -240,6 +266,7 @@ def rms_norm_bwd_persistent(
     TAIL_N: ct.Constant[int],
     HAS_W: ct.Constant[bool],
     HAS_DRES: ct.Constant[bool],
+    DW_PER_ROW: ct.Constant[bool],
 ):
     """Rows fit one tile (``TILE_N >= N``), or one tile plus a narrower tail tile (``TAIL_N > 0``: columns
     ``[TILE_N, TILE_N + TAIL_N)``), so that e.g. N = 5120 is held as 4096 + 1024 rather than padded to 8192
@@ -248,11 +275,11 @@ def rms_norm_bwd_persistent(
     ``dw_partial``."""
     n = x.shape[1]
     wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
-    dw_acc = ct.zeros((1, TILE_N), dtype=_F32)
+    dw_acc = _dw_zeros(TILE_M, TILE_N, DW_PER_ROW)
     if TAIL_N:
         tail = TILE_N // TAIL_N  # the tail tile's column index
         wt_tail = _effective_weight(w, tail, offset, TAIL_N, HAS_W, CAST_GEMMA, x.dtype)
-        dw_acc_tail = ct.zeros((1, TAIL_N), dtype=_F32)
+        dw_acc_tail = _dw_zeros(TILE_M, TAIL_N, DW_PER_ROW)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
         r = _load_row_values(rstd, t, TILE_M)
         xhat, dyf = _xhat_and_dy(x, dy, r, t, 0, TILE_M, TILE_N)
@@ -269,13 +296,13 @@ def rms_norm_bwd_persistent(
             dx_tail = _dx(g_tail, xhat_tail, c, r, dres, (t, tail), (TILE_M, TAIL_N), HAS_DRES, dx.dtype)
             ct.store(dx, (t, tail), dx_tail, allow_tma=False, latency=3)
         if HAS_W:
-            dw_acc = dw_acc + _dw_rows(dyf, xhat)
+            dw_acc = _dw_add(dw_acc, dyf, xhat, DW_PER_ROW)
             if TAIL_N:
-                dw_acc_tail = dw_acc_tail + _dw_rows(dyf_tail, xhat_tail)
+                dw_acc_tail = _dw_add(dw_acc_tail, dyf_tail, xhat_tail, DW_PER_ROW)
     if HAS_W:
-        ct.store(dw_partial, (ct.bid(0), 0), dw_acc, allow_tma=False)
+        ct.store(dw_partial, (ct.bid(0), 0), _dw_total(dw_acc, DW_PER_ROW), allow_tma=False)
         if TAIL_N:
-            ct.store(dw_partial, (ct.bid(0), tail), dw_acc_tail, allow_tma=False)
+            ct.store(dw_partial, (ct.bid(0), tail), _dw_total(dw_acc_tail, DW_PER_ROW), allow_tma=False)
 
 
 @experimental_kernel
