@@ -685,6 +685,15 @@ def test_wide_candidates_extend_the_quick_ones(op, m, n):
         assert {c.occupancy for c in wide} > {c.occupancy for c in quick}
 
 
+@pytest.mark.parametrize("n, split", [(2304, (2048, 256)), (4608, (4096, 512)), (4096, None)])
+def test_wide_forward_candidates_try_a_padded_row_as_tile_and_tail(n, split):
+    """Rows padded to a power of two (the analytic forward splits only the widest) are also timed as a tile
+    plus a tail tile; a power-of-two row has no split to try."""
+    cands = tuning.candidates("forward", 16384, n, BF16, SMS, wide=True)
+    tails = {(c.tile_n, c.tail_n) for c in cands if c.kernel == "persistent" and c.tail_n}
+    assert tails == ({split} if split else set())
+    assert all(tuning.candidate_error("forward", c, n) is None for c in cands)
+
 
 def test_the_qk_sweep_times_the_views_the_product_launches(tune_table):
     """The sweep calls the cuTile host directly, so it must hand it the views ``qk_rms_norm`` would: for the

@@ -406,7 +406,8 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
 
     ``wide`` reaches further where the quick neighbours left a gap to the peers: four times the blocks per
     SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
-    four times the analytic one (for qk on both halves; for the forward ops on both kernels)."""
+    four times the analytic one (for qk on both halves; for the forward ops on both kernels); for a padded
+    persistent forward row, the row as a tile plus a tail tile."""
     out: list = []
 
     def add(cand):
@@ -456,6 +457,15 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
             for occupancy in occupancies:
                 for b in (1, 16):
                     add(replace(base, occupancy=occupancy, blocks_per_sm=base.blocks_per_sm * b))
+            # A padded row held as a tile plus a tail tile instead (config.split_row: 2304 = 2048 + 256), which
+            # the analytic choice keeps for the widest rows only: fewer padded registers per row.
+            tile_n, tail_n = config.split_row(n_b)
+            if tail_n and not base.tail_n:
+                for tile_m in (base.tile_m, base.tile_m * 2):
+                    for occupancy in (base.occupancy, max(1, base.occupancy) * 2):
+                        for b in (1, 2):
+                            split = dict(tile_n=tile_n, tail_n=tail_n, tile_m=tile_m, occupancy=occupancy)
+                            add(replace(base, **split, blocks_per_sm=base.blocks_per_sm * b))
         return out
     base = config.backward_candidate(m_b, n_b, dtype, sms)
     add(base)
