@@ -228,6 +228,53 @@ def launch_then_grad(m, n, dtype, device, calls: int) -> list[tuple[str, float]]
     return rows
 
 
+def graph_replay(m, n, dtype, device, calls: int) -> list[tuple[str, float]]:
+    """The pieces of a launch replayed from a CUDA graph captured once per set of tensor addresses (the
+    experiment of bench/NOTES.md's open gap on the host path), beside the bare ``ct.launch`` it would
+    replace: the graph launch through torch and through the driver, and the per-call key and capture check."""
+    import cuda.tile as ct
+
+    x, w = torch.randn(m, n, dtype=dtype, device=device), torch.randn(n, dtype=dtype, device=device)
+    y, rstd = torch.empty_like(x), torch.empty(m, dtype=torch.float32, device=device)
+    stream, grid, kernel, args = _prepared_forward(x, w, y, rstd)
+    ct.launch(stream, grid, kernel, args)  # compiled before the capture
+    torch.cuda.synchronize(device)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        ct.launch(side.cuda_stream, grid, kernel, args)
+        graph.capture_end()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    expect = y.clone()
+    y.zero_()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    rows = [(f"graph replay writes the launch's output: {torch.equal(y, expect)}", 0.0)]
+    cache = {(x.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), m, n): graph}
+
+    def key_and_lookup():
+        return cache.get((x.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), m, n))
+
+    pieces = [
+        ("ct.launch fwd, raw stream, prepared args", lambda: ct.launch(stream, grid, kernel, args)),
+        ("torch CUDAGraph.replay() of that launch", graph.replay),
+        ("key: 4 data_ptr + shape, dict lookup", key_and_lookup),
+        ("torch.cuda.is_current_stream_capturing()", torch.cuda.is_current_stream_capturing),
+    ]
+    try:
+        from cuda.bindings import driver
+
+        exec_handle = driver.CUgraphExec(graph.raw_cuda_graph_exec())
+        raw = driver.CUstream(stream)
+        pieces.append(("driver cuGraphLaunch, prepared handles", lambda: driver.cuGraphLaunch(exec_handle, raw)))
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        rows.append((f"driver cuGraphLaunch not timed: {exc!r}", 0.0))
+    for name, fn in pieces:
+        rows.append((name, per_call_us(fn, device, calls)))
+    return rows
+
+
 def _cutile():
     import tilegym_rms.cutile
 
@@ -299,6 +346,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--headline", type=int, metavar="ROUNDS", help="only the target calls, in turns over ROUNDS rounds"
     )
+    parser.add_argument("--graph", action="store_true", help="only the pieces of a CUDA-graph replayed launch")
     args = parser.parse_args(argv)
     device = timing.cuda_device(parser.prog)
     if device is None:
@@ -312,6 +360,10 @@ def main(argv=None) -> int:
             print(f"  {name:<48} min {low:8.1f}  median {mid:8.1f}")
         return 0
     print(f"{torch.cuda.get_device_name(device)}; M={args.m} N={args.n} {args.dtype}; us per call (median)")
+    if args.graph:
+        for name, us in graph_replay(args.m, args.n, base.DTYPES[args.dtype], device, args.calls):
+            print(f"  {name:<48} {us:8.1f}")
+        return 0
     table = steps(args.m, args.n, base.DTYPES[args.dtype], device)
     for name, fn in table:
         print(f"  {name:<48} {per_call_us(fn, device, args.calls):8.1f}")
