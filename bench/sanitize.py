@@ -199,7 +199,8 @@ CLASSES = (
         "backward",
         (BWD_PERSISTENT, REDUCE),
         lambda c: c.plan == "persistent",
-        "row dots (over the rows' columns) and dw (over the tile's rows) each grid-stride step",
+        "row dots (over the rows' columns) each grid-stride step; dw over the tile's rows each step, or once per"
+        " block at the end (dw per row)",
         patch=(("bwd_direct_max_tile_n", 0),),
     ),
     KernelClass(
@@ -334,9 +335,10 @@ def _describe(case: Case, cfg, red):
         parts.append(f"direct {cfg.tile_m}x{cfg.tile_n} grid={cfg.grid}{strips} {_hints_text(cfg.hints)}")
     elif cfg.plan == "persistent":
         kernels.append(BWD_PERSISTENT)
-        variants.append((BWD_PERSISTENT, dt, cfg.tile_m, cfg.tile_n, cfg.tail_n, w, cfg.hints))
+        variants.append((BWD_PERSISTENT, dt, cfg.tile_m, cfg.tile_n, cfg.tail_n, w, cfg.dw_per_row, cfg.hints))
         tail = f"+{cfg.tail_n}" if cfg.tail_n else ""
-        parts.append(f"fused {cfg.tile_m}x{cfg.tile_n}{tail} grid={cfg.grid} {_hints_text(cfg.hints)}")
+        per_row = " dw per row" if cfg.dw_per_row else ""
+        parts.append(f"fused {cfg.tile_m}x{cfg.tile_n}{tail}{per_row} grid={cfg.grid} {_hints_text(cfg.hints)}")
     else:
         kernels += [ROW_DOT, COLUMN_CHUNK]
         variants += [(k, dt, cfg.tile_m, cfg.tile_n, w, cfg.hints) for k in (ROW_DOT, COLUMN_CHUNK)]
