@@ -388,6 +388,31 @@ def test_merge_and_write(tmp_path):
     assert not (tmp_path / "bad.json").exists()
 
 
+def test_a_sweep_on_another_card_of_the_same_key_is_refused(tune_table, tmp_path):
+    """An H200 has an H100 SXM's key (sm90, 132 SMs): its sweep must not be merged or overlaid into the H100's
+    shipped table (bench/NOTES.md, experiment 45). The tool refuses it; the same card's sweep still lands."""
+    cand = config.ForwardCandidate("persistent", 8, 2048, 0, 4, 2, 0)
+    shipped_doc = shipped()["sm90_132sm"]
+    sweeps = {}
+    for card in ("NVIDIA H200", shipped_doc["device"]["name"]):
+        sweep = tuning.new_doc("sm90_132sm", card, (9, 0), SMS, "measured", "sweep")
+        tuning.set_runs(sweep, "forward", "bf16", 2048, [{"m": 8192, "winner": asdict(cand), "gbps": {"l": 1.0}}])
+        sweeps[card] = tmp_path / f"{len(sweeps)}.json"
+        tuning.write(sweep, sweeps[card])
+    base = REPO / "tilegym_rms" / "cutile" / "tuning" / "sm90_132sm.json"
+    out = tmp_path / "table.json"
+    with pytest.raises(tuning.TuningTableError, match="measured on 'NVIDIA H200'"):
+        tune_table.main(["--overlay", str(sweeps["NVIDIA H200"]), "--base", str(base), "--out", str(out)])
+    assert not out.exists()
+    assert (
+        tune_table.main(
+            ["--overlay", str(sweeps[shipped_doc["device"]["name"]]), "--base", str(base), "--out", str(out)]
+        )
+        == 0
+    )
+    assert tuning.load(out).lookup("forward", 8192, 2048, BF16) == cand
+
+
 # --- the fused add's forward: its own entry, then the plain forward's, then the heuristics ---
 
 
@@ -622,7 +647,7 @@ def test_overlay_with_the_shipped_table_as_base_keeps_its_measured_entries(tune_
     shipped_doc = json.loads(shipped_path.read_text())
     base_path = tmp_path / "sm90_132sm.json"
     base_path.write_text(shipped_path.read_text())
-    sweep = tuning.new_doc("sm90_132sm", "H100", (9, 0), SMS, "measured", "sweep 2")
+    sweep = tuning.new_doc("sm90_132sm", shipped_doc["device"]["name"], (9, 0), SMS, "measured", "sweep 2")
     fused = asdict(config.forward_candidate(4096, 5120, BF16, SMS, "gather"))
     tuning.set_runs(sweep, "fused_forward", "bf16", 5120, [{"m": 4096, "winner": fused, "gbps": {"g": 1.0}}])
     tuning.set_runs(sweep, "qk", "bf16", 64, [{"m": 32768, "winner": asdict(QK_ODD), "gbps": {"fwd": 1.0}}])

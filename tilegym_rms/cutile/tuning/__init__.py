@@ -500,6 +500,14 @@ def merge(base: dict, new: dict) -> dict:
     (op, dtype, N); two measured lists merge by M, ``new`` winning. ``source`` follows what remains."""
     if base["device"]["key"] != new["device"]["key"]:
         raise TuningTableError(f"cannot merge tables of {base['device']['key']} and {new['device']['key']}")
+    # The key (compute capability, SM count) does not tell every card apart: an H200 has an H100 SXM's. A
+    # sweep measured on one must not land in the other's table.
+    names = base["device"].get("name"), new["device"].get("name")
+    if all(names) and names[0] != names[1]:
+        raise TuningTableError(
+            f"cannot merge a table measured on {names[1]!r} into one of {names[0]!r}: the same key "
+            f"({base['device']['key']}) but another card"
+        )
     out = json.loads(json.dumps(base))
     out["generated_by"] = new["generated_by"]
     if "copy_gbps" in new:
