@@ -1,6 +1,8 @@
 """The compiler's report for the kernels the dispatcher picks: registers, stack (spills) and shared memory
 per thread block, from the cubin (``cuobjdump -res-usage``). Needs no GPU, only the tileiras toolchain and a
-``cuobjdump`` (Triton ships one).
+``cuobjdump`` (Triton ships one). The choices are the shipped tuning table's for the device class that
+``--arch`` and ``--sms`` name (``sm90_132sm`` by default), as the host makes them on such a card, or the
+analytic heuristics' with ``--analytic`` or where no table ships for that class.
 
 A kernel that needs more than 255 registers a thread, or shows a stack, spills to local memory: the first
 thing to look at when a variant streams below the copy bandwidth (bench/NOTES.md, experiments 10 and 17).
@@ -46,12 +48,23 @@ def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
 
 
+def chosen_table(arch: str, sms: int, analytic: bool = False):
+    """``(table or None, what the choices follow)``: the shipped tuning table of the device class ``arch`` and
+    ``sms`` name (``sm_90``, 132: ``sm90_132sm``), which the host uses on such a card, unless ``analytic``."""
+    from tilegym_rms.cutile import tuning
+
+    key = f"{arch.replace('_', '')}_{sms}sm"
+    table = None if analytic else tuning.packaged(key)
+    return table, (f"the {key} tuning table" if table is not None else "the analytic heuristics")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kernel_resources.py", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="32768x4096", help="MxN,... (default %(default)s)")
     parser.add_argument("--dtype", type=cli_args.parse_dtype, default="bf16", help="bf16, fp16 or fp32")
     parser.add_argument("--arch", default="sm_90", help="compile target (default %(default)s)")
     parser.add_argument("--sms", type=int, default=132, help="SM count the heuristics assume (H100: 132)")
+    parser.add_argument("--analytic", action="store_true", help="the heuristics' choices, not the tuning table's")
     args = parser.parse_args(argv)
     base.ensure_repo_on_path()
     from tilegym_rms import aot
@@ -61,12 +74,13 @@ def main(argv=None) -> int:
         print("kernel_resources.py needs cuobjdump (CUDA toolkit, or the one Triton ships)", file=sys.stderr)
         return 2
     dtype = base.DTYPES[args.dtype]
-    print(f"{args.arch}, {args.dtype}; per thread: registers, stack bytes; per block: shared bytes")
+    table, source = chosen_table(args.arch, args.sms, args.analytic)
+    print(f"{args.arch}, {args.dtype}, {source}; per thread: registers, stack bytes; per block: shared bytes")
     for item in args.shapes.split(","):
         m, n = (int(v) for v in item.lower().split("x"))
         print(f"{m} x {n}:")
         # What a training call launches for this shape (default dispatch, weight, llama casting).
-        for v in aot.variants_for(m, n, dtype, args.sms, kernels=(None,), every_path=False):
+        for v in aot.variants_for(m, n, dtype, args.sms, kernels=(None,), every_path=False, table=table):
             use = resource_usage(aot.cubin(v, args.arch), cuobjdump)
             print(f"  {v.describe():<96} REG {use['REG']:>3}  STACK {use['STACK']:>4}  SHARED {use['SHARED']:>6}")
     return 0

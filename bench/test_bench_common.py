@@ -160,6 +160,34 @@ def test_kernel_resources_reads_the_compilers_report():
     assert 0 < use["REG"] <= 255 and use["STACK"] >= 0 and use["SHARED"] >= 0
 
 
+def test_kernel_resources_reports_what_the_table_launches(monkeypatch, capsys):
+    """On an H100's class the host launches the tuning table's winners, so the report shows those (bf16 32768 x
+    1536: the table's 8-row backward tile, the heuristics' 4); ``--analytic`` shows the heuristics' instead."""
+    pytest.importorskip("cuda.tile")
+    import kernel_resources as kr
+
+    from tilegym_rms import aot
+    from tilegym_rms.cutile import config, tuning
+
+    table, source = kr.chosen_table("sm_90", 132)
+    assert table is tuning.packaged("sm90_132sm") and "sm90_132sm" in source
+    assert kr.chosen_table("sm_90", 132, analytic=True) == (None, "the analytic heuristics")
+    assert kr.chosen_table("sm_100", 148)[0] is None  # no table ships for that class
+    m, n = 32768, 1536
+    want = table.lookup("backward", m, n, torch.bfloat16).tile_m
+    assert want != config.backward_candidate(m, n, torch.bfloat16, 132).tile_m  # the two differ here
+    seen = []
+    monkeypatch.setattr(kr, "find_cuobjdump", lambda: "cuobjdump")
+    monkeypatch.setattr(aot, "cubin", lambda v, arch: seen.append(v) or b"")
+    monkeypatch.setattr(kr, "resource_usage", lambda cubin, tool: {"REG": 1, "STACK": 0, "SHARED": 0})
+    for extra, tile_m in (([], want), (["--analytic"], config.backward_candidate(m, n, torch.bfloat16, 132).tile_m)):
+        seen.clear()
+        assert kr.main(["--shapes", f"{m}x{n}", *extra]) == 0
+        bwd = next(v for v in seen if v.kernel_name == "rms_norm_bwd_persistent")
+        assert bwd.params[8] == tile_m  # TILE_M follows x, dy, w, rstd, dx, dw_partial, dres and offset
+    assert "analytic heuristics" in capsys.readouterr().out
+
+
 def test_untimed_records_keep_the_committed_layout():
     """Workspace records (sizes, not times) have no copy bandwidth or timing method, as in the committed JSON."""
     committed = json.loads((base.BENCH_DIR / "results" / "h100" / "rms_norm_backward.json").read_text())
