@@ -53,7 +53,8 @@ def chosen_table(arch: str, sms: int, analytic: bool = False):
     ``sms`` name (``sm_90``, 132: ``sm90_132sm``), which the host uses on such a card, unless ``analytic``."""
     from tilegym_rms.cutile import tuning
 
-    key = f"{arch.replace('_', '')}_{sms}sm"
+    digits = arch.removeprefix("sm_")  # sm_90 -> (9, 0), sm_100 -> (10, 0)
+    key = tuning.class_key((int(digits[:-1]), int(digits[-1])), sms)
     table = None if analytic else tuning.packaged(key)
     return table, (f"the {key} tuning table" if table is not None else "the analytic heuristics")
 

@@ -209,7 +209,7 @@ def main(argv=None) -> int:
         if not (args.sms and args.out):
             parser.error("--analytic needs --sms and --out")
         cc = tuple(int(v) for v in args.capability.split("."))
-        key = f"sm{cc[0]}{cc[1]}_{args.sms}sm"
+        key = tuning.class_key(cc, args.sms)
         tuning.write(tuning.analytic_doc(key, args.name, cc, args.sms, command), args.out)
         print(f"wrote {args.out} ({key}, analytic)")
         return 0

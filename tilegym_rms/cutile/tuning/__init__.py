@@ -280,11 +280,16 @@ def packaged(key: str) -> Table | None:
     return Table(json.loads(res.read_text()), f"{__name__}/{key}.json") if res.is_file() else None
 
 
+def class_key(capability: tuple[int, int], sms: int) -> str:
+    """The key of a device class, which names its table: ``sm90_132sm`` for capability (9, 0) and 132 SMs."""
+    major, minor = capability
+    return f"sm{major}{minor}_{sms}sm"
+
+
 def device_key(device_index: int) -> str:
     from ..launch import num_sms
 
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return f"sm{major}{minor}_{num_sms(device_index)}sm"
+    return class_key(torch.cuda.get_device_capability(device_index), num_sms(device_index))
 
 
 _PACKAGED = "packaged"  # the choice: each device's shipped table
