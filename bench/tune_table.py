@@ -32,7 +32,7 @@ head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile
 ``--wide`` times more candidates per point (``tuning.candidates(wide=True)``: occupancy hints of 2x and 4x,
 half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, the plain
 norm's choice for qk): about twice the compiles and several times the timings, so it is meant for few widths
-at a time (the bf16 forward at 2048-5376 columns, two M buckets: 54 points, about 3 minutes on an H100).
+at a time (``--plan`` estimates a sweep's size and time; bench/NOTES.md, experiment 43, has one).
 
 Shapes above ``MAX_ELEMENTS`` are not timed (their M run is the one below: the floor rule of the schema).
 The tool lives in bench/ because it needs the benchmarks' timer; the package holds the table format,
