@@ -720,6 +720,22 @@ def test_wide_forward_candidates_try_a_padded_row_as_tile_and_tail(n, split):
     assert all(tuning.candidate_error("forward", c, n) is None for c in cands)
 
 
+@pytest.mark.parametrize("op, n", [("forward", 2304), ("forward", 4608), ("backward", 3584), ("backward", 6144)])
+def test_wide_candidates_build_each_persistent_tile_with_eight_warps(op, n):
+    """Every persistent tile shape the wide set times with the compiler's warps is also timed with eight warps
+    at one block per SM (the build that keeps a 16384-element tile in registers); the quick set has none."""
+    kind = "kernel" if op == "forward" else "plan"
+    wide = tuning.candidates(op, 32768, n, BF16, SMS, wide=True)
+    persistent = [c for c in wide if getattr(c, kind) == "persistent"]
+    default_shapes = {(c.tile_m, c.tile_n, c.tail_n) for c in persistent if not c.num_worker_warps}
+    eight = {(c.tile_m, c.tile_n, c.tail_n) for c in persistent if (c.num_worker_warps, c.occupancy) == (8, 1)}
+    assert default_shapes and default_shapes <= eight
+    assert all(c.blocks_per_sm == 1 for c in persistent if (c.num_worker_warps, c.occupancy) == (8, 1))
+    assert len(set(wide)) == len(wide)
+    assert all(tuning.candidate_error(op, c, n) is None for c in wide)
+    assert not any(c.num_worker_warps == 8 and c.occupancy == 1 for c in tuning.candidates(op, 32768, n, BF16, SMS))
+
+
 def test_the_qk_sweep_times_the_views_the_product_launches(tune_table):
     """The sweep calls the cuTile host directly, so it must hand it the views ``qk_rms_norm`` would: for the
     dense q and k it builds, ops merges (tokens, heads, D) into (tokens * heads, 1, D) rows. An earlier

@@ -471,6 +471,8 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
                         for b in (1, 2):
                             split = dict(tile_n=tile_n, tail_n=tail_n, tile_m=tile_m, occupancy=occupancy)
                             add(replace(base, **split, blocks_per_sm=base.blocks_per_sm * b))
+        if wide:
+            _add_eight_warps(add, out, "kernel")
         return out
     base = config.backward_candidate(m_b, n_b, dtype, sms)
     add(base)
@@ -482,7 +484,19 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
     add(replace(base, tile_m=base.tile_m * 2))
     if wide:
         add(replace(base, tile_m=base.tile_m // 2))
+        _add_eight_warps(add, out, "plan")
     return out
+
+
+def _add_eight_warps(add, out: list, kind: str) -> None:
+    """The wide set's eight-warp build of each persistent tile shape in ``out`` that leaves the warps to
+    the compiler, at one block per SM. With its default warps and two blocks per SM the compiler spills tiles
+    of 8192-16384 elements to local memory (``bench/kernel_resources.py``); eight warps hold them in
+    registers."""
+    shapes = {(c.tile_m, c.tile_n, c.tail_n): c for c in out if getattr(c, kind) == "persistent"}
+    for c in shapes.values():
+        if not c.num_worker_warps:
+            add(replace(c, blocks_per_sm=1, occupancy=1, num_worker_warps=8))
 
 
 def select_winner(gbps: dict[str, float], default: str, min_gain: float = 0.01) -> str:
