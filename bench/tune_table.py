@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--merge", help="an existing table: its measured points are kept and skipped")
     parser.add_argument("--reps", type=int, default=3, help="timed passes over the rotating inputs (median)")
-    parser.add_argument("--min-gain", type=float, default=0.01, help="a winner must beat the analytic by this")
+    parser.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.01,
+        help="a winner must beat the analytic choice (--overlay: the base's) by this",
+    )
     parser.add_argument("--plan", action="store_true", help="print the counts and the time estimate; no GPU")
     parser.add_argument("--analytic", action="store_true", help="write the analytic heuristics' table; no GPU")
     parser.add_argument(
@@ -202,7 +207,7 @@ def main(argv=None) -> int:
             base = json.loads(open(args.base).read())
         else:
             base = tuning.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)
-        tuning.write(tuning.overlay(base, measured), args.out)
+        tuning.write(tuning.overlay(base, measured, args.min_gain), args.out)
         print(f"wrote {args.out} ({dev['key']}, {args.overlay} over {args.base or 'the analytic table'})")
         return 0
     if args.analytic:

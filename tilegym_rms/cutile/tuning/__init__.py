@@ -559,7 +559,22 @@ def _reference_runs(doc: dict, op: str, dt: str, key: str) -> list[dict]:
         op = FALLBACK[op]
 
 
-def overlay(base: dict, sweep: dict) -> dict:
+def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dict:
+    """A measured sweep ``run`` whose winner yields to ``incumbent`` (what the base launches at that M bucket)
+    when the sweep timed the incumbent too and its winner beats it by less than ``min_gain``: as the sweep's
+    own rule keeps the analytic choice (:func:`select_winner`), so a re-timed table keeps its choices within
+    the noise. qk runs are timed by halves and stay as measured."""
+    if op == "qk" or run["winner"] == incumbent:
+        return run
+    gbps = run["gbps"]
+    mine = gbps.get(label(op, _candidate(op, incumbent, "incumbent")))
+    theirs = gbps.get(label(op, _candidate(op, run["winner"], "winner")))
+    if mine is None or theirs is None or theirs >= mine * (1 + min_gain):
+        return run
+    return {**run, "winner": incumbent}
+
+
+def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
     """A sparse sweep (a few M buckets) laid over ``base`` (the analytic table, or a shipped table whose
     other entries must stay), M bucket by M bucket: a measured winner stands for the buckets above its own
     only while the base's choice there stays the one it was measured against (so M buckets where the
@@ -568,12 +583,14 @@ def overlay(base: dict, sweep: dict) -> dict:
     the host would fall back to: the fused forward the forward's entry (already overlaid), the qk op and
     the rest the analytic heuristics. Entries the sweep did not measure stay as in ``base``, and so do the
     base's own measured runs at M buckets the sweep did not measure: a sweep winner stands for the buckets
-    above its own only up to the next bucket either table measured."""
+    above its own only up to the next bucket either table measured. At a bucket the sweep measured, the
+    winner the base launched there stays unless the sweep's beats it by ``min_gain`` (:func:`_incumbent_kept`)."""
     out = merge(base, {**sweep, **{op: {} for op in OPS}})
     for op in OPS:  # in order: the forward is overlaid before the fused forward falls back to it
         for dt, by_n in sweep.get(op, {}).items():
             for key, measured_runs in by_n.items():
                 ref_runs = _reference_runs(out, op, dt, key)
+                measured_runs = [_incumbent_kept(op, r, _winner_at(ref_runs, r["m"]), min_gain) for r in measured_runs]
                 points = {r["m"]: r for r in measured_runs}
                 own = out.get(op, {}).get(dt, {}).get(key) or []  # not a fallback's: measured for another op
                 base_points = {r["m"]: r for r in own if "gbps" in r and r["m"] not in points}
