@@ -284,6 +284,49 @@ def test_use_table_overrides_and_restores(host):
     assert tuning.table_for(0) is tuning.packaged("sm90_132sm")
 
 
+H100 = "NVIDIA H100 80GB HBM3"  # the card the shipped sm90_132sm table was measured on
+
+
+@pytest.fixture
+def card(monkeypatch):
+    """A CUDA device as ``device_key`` asks it (capability, SM count, name), on the CPU; returns the setter."""
+    from tilegym_rms.cutile import launch
+
+    def set_card(name, capability=(9, 0), sms=SMS):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: name)
+        monkeypatch.setattr(launch, "num_sms", lambda index: sms)
+
+    with tuning.use_table("packaged"):
+        yield set_card
+
+
+def test_a_card_of_a_measured_class_gets_a_key_of_its_own(card):
+    """An H200 has an H100 SXM's capability and SM count: its key names the card, so that its sweeps never
+    land in the H100's table; the card the class table was measured on, and a class without a table, keep
+    the class key."""
+    assert tuning.packaged("sm90_132sm").doc["device"]["name"] == H100
+    card(H100)
+    assert tuning.device_key(0) == "sm90_132sm"
+    card("NVIDIA H200")
+    assert tuning.device_key(0) == "sm90_132sm.nvidia-h200"
+    card("NVIDIA B200", (10, 0), 148)
+    assert tuning.device_key(0) == "sm100_148sm"
+
+
+def test_a_card_without_its_own_table_runs_its_classs(card, monkeypatch):
+    card("NVIDIA H200")
+    assert tuning.table_for(0) is tuning.packaged("sm90_132sm")  # no H200 table ships yet
+    own = tuning.load(one_entry("forward", "bf16", 4224, config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)))
+    shipped = tuning.packaged
+    monkeypatch.setattr(tuning, "packaged", lambda key: own if key == "sm90_132sm.nvidia-h200" else shipped(key))
+    assert tuning.table_for(0) is own
+    card(H100)
+    assert tuning.table_for(0) is shipped("sm90_132sm")
+    card("NVIDIA B200", (10, 0), 148)
+    assert tuning.table_for(0) is None  # no table for the class: the heuristics
+
+
 def test_use_table_reads_a_file(host, tmp_path):
     odd = config.BackwardCandidate("persistent", 4, 4096, 1024, 1, 0, 4)
     path = tmp_path / "t.json"

@@ -2,7 +2,10 @@
 
 A device class is keyed by compute capability and SM count, ``sm{major}{minor}_{sms}sm`` (``sm90_132sm``: an
 H100 SXM). ``<key>.json`` here is the table the host uses on such a device; a device without one, and a
-shape outside a table's buckets, gets the analytic heuristics (:mod:`..config`).
+shape outside a table's buckets, gets the analytic heuristics (:mod:`..config`). A class table names the card
+it was measured on; another card of the class (an H200 has an H100 SXM's key) is keyed
+``<key>.<card>`` (``sm90_132sm.nvidia-h200``, :func:`card_key`) and runs ``<key>.<card>.json`` where one ships,
+else its class's table.
 
 Buckets. ``N``: 64 and 96 (QK-norm head dims), every multiple of 128 up to 8192, then multiples of 1024 up
 to 16384, of 4096 up to 32768 and of 8192 up to 65536 (:data:`N_BUCKETS`); an N between two bucket points
@@ -54,6 +57,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, fields, replace
 from importlib import resources
@@ -286,10 +290,22 @@ def class_key(capability: tuple[int, int], sms: int) -> str:
     return f"sm{major}{minor}_{sms}sm"
 
 
+def card_key(class_key_: str, name: str) -> str:
+    """The key of a card's table: its class's key, unless the class's shipped table was measured on another
+    card (compute capability and SM count do not tell an H200 from an H100 SXM), then ``<class key>.<card>``
+    (``sm90_132sm.nvidia-h200``), so that a sweep on that card makes a table of its own."""
+    shipped = packaged(class_key_)
+    if shipped is None or shipped.doc["device"].get("name") == name:
+        return class_key_
+    return f"{class_key_}.{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}"
+
+
 def device_key(device_index: int) -> str:
+    """The key of a device's table (:func:`card_key`)."""
     from ..launch import num_sms
 
-    return class_key(torch.cuda.get_device_capability(device_index), num_sms(device_index))
+    base = class_key(torch.cuda.get_device_capability(device_index), num_sms(device_index))
+    return card_key(base, torch.cuda.get_device_name(device_index))
 
 
 _PACKAGED = "packaged"  # the choice: each device's shipped table
@@ -317,7 +333,10 @@ def table_for(device_index: int) -> Table | None:
     if choice == "off":
         return None
     if choice == _PACKAGED:
-        return packaged(device_key(device_index))
+        key = device_key(device_index)
+        # A card with no table of its own runs its class's (measured on another card of the class) rather than
+        # the heuristics: the same chip, other memory.
+        return packaged(key) or packaged(key.split(".")[0])
     return choice
 
 
