@@ -15,8 +15,14 @@ so an interrupted sweep resumes with ``--merge`` on its own output: points alrea
     python bench/tune_table.py --ops forward --wide --dtypes bf16 --n 64,128,256 --m 65536 --out w.json
     python bench/tune_table.py --overlay s.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
         --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # merged into the shipped table
+    python bench/tune_table.py --overlay h200.json --out tilegym_rms/cutile/tuning/sm90_132sm.nvidia-h200.json
+                                                   # a card's first table: its sweep over the analytic table
     python bench/tune_table.py --analytic --sms 132 --capability 9.0 --name "NVIDIA H100 80GB HBM3" \\
         --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # the analytic table, no GPU
+
+An overlay keeps a bucket's winner unless the sweep timed it and beat it by ``--min-gain`` (``tuning.overlay``).
+The sweep's key is the device's (``tuning.device_key``): an H200's is ``sm90_132sm.nvidia-h200``, so its sweep
+never lands in the H100's table.
 
 Ops (``--ops``, default forward,backward): ``forward`` and ``backward`` time ``cutile.forward`` /
 ``cutile.backward``; ``fused_forward`` the forward candidates through ``cutile.fused_add_forward(x, r, w,
@@ -30,9 +36,10 @@ backward half make the winner (11 candidates, 12 timings) where timing every pai
 head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile_n``).
 
 ``--wide`` times more candidates per point (``tuning.candidates(wide=True)``: occupancy hints of 2x and 4x,
-half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, the plain
-norm's choice for qk): about twice the compiles and several times the timings, so it is meant for few widths
-at a time (``--plan`` estimates a sweep's size and time; bench/NOTES.md, experiment 43, has one).
+half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, an
+eight-warp build of each persistent tile at one block per SM, the plain norm's choice for qk): about twice
+the compiles and several times the timings, so it is meant for few widths at a time (``--plan`` estimates a
+sweep's size and time; bench/NOTES.md, experiments 43 and 46, have some).
 
 Shapes above ``MAX_ELEMENTS`` are not timed (their M run is the one below: the floor rule of the schema).
 The tool lives in bench/ because it needs the benchmarks' timer; the package holds the table format,

@@ -431,7 +431,8 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
     ``wide`` reaches further where the quick neighbours left a gap to the peers: four times the blocks per
     SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
     four times the analytic one (for qk on both halves; for the forward ops on both kernels); for a padded
-    persistent forward row, the row as a tile plus a tail tile."""
+    persistent forward row, the row as a tile plus a tail tile; and an eight-warp build of each persistent tile
+    shape (:func:`_add_eight_warps`)."""
     out: list = []
 
     def add(cand):
