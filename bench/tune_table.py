@@ -20,6 +20,10 @@ so an interrupted sweep resumes with ``--merge`` on its own output: points alrea
     python bench/tune_table.py --analytic --sms 132 --capability 9.0 --name "NVIDIA H100 80GB HBM3" \\
         --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # the analytic table, no GPU
 
+``--after-forward`` times each backward candidate after the forward the device's table launches, as a training
+step runs them: a backward can win alone and lose there (bench/NOTES.md, experiment 46). Its runs record
+``"timed"`` and the GB/s of the pair.
+
 An overlay keeps a bucket's winner unless the sweep timed it and beat it by ``--min-gain`` (``tuning.overlay``).
 The sweep's key is the device's (``tuning.device_key``): an H200's is ``sm90_132sm.nvidia-h200``, so its sweep
 never lands in the H100's table.
@@ -102,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.01,
         help="a winner must beat the analytic choice (--overlay: the base's) by this",
+    )
+    parser.add_argument(
+        "--after-forward",
+        action="store_true",
+        help="backward: time each candidate after the forward the device's table launches, as a training step "
+        "runs it; the run's GB/s are then the forward + backward's (bench/NOTES.md, experiment 46)",
     )
     parser.add_argument("--plan", action="store_true", help="print the counts and the time estimate; no GPU")
     parser.add_argument("--analytic", action="store_true", help="write the analytic heuristics' table; no GPU")
@@ -251,6 +261,9 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
     if base_doc is not None and base_doc["device"]["key"] != key:
         print(f"--merge table is for {base_doc['device']['key']}, this device is {key}", file=sys.stderr)
         return 2
+    device_table = tuning.table_for(index)
+    # --after-forward: the forward the device's table launches (none: the heuristics'), as a training step runs it
+    forward_doc = (device_table.doc if device_table is not None else {}) if args.after_forward else None
     timer = timing.Timer(device, "profiler")
     print(timer.calibrate())
     copy_bw = traffic.summarize(timing.copy_bandwidth(timer, device, base.COPY_BYTES, 5)[0])[0]
@@ -274,7 +287,11 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
             dtype = tuning.DTYPES[dt]
             runs = []
             for m_b in ms:
-                runs.append(time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, args.min_gain, args.wide))
+                runs.append(
+                    time_point(
+                        cutile, timer, device, key, op, dtype, n_b, m_b, reps, args.min_gain, args.wide, forward_doc
+                    )
+                )
                 timed += len(runs[-1]["gbps"])
             if runs:
                 new = tuning.new_doc(key, name, cc, sms, "measured", command)
@@ -320,10 +337,21 @@ def qk_product_views(t: torch.Tensor) -> torch.Tensor:
     return ops._heads(t)
 
 
+AFTER_FORWARD = "backward after the forward"  # --after-forward: what a backward run timed
+
+
 def _call(cutile, kind: str, w):
-    """The product host call timed for ``kind`` (an op, or "qk_fwd" / "qk_bwd"), weights ``w`` (both)."""
+    """The product host call timed for ``kind`` (an op, :data:`AFTER_FORWARD`, or "qk_fwd" / "qk_bwd"),
+    weights ``w`` (both)."""
     if kind in ("forward", "backward"):
         return tune_cutile._call(cutile, kind, w)
+    if kind == AFTER_FORWARD:  # a training step's order: the forward's rstd feeds the backward
+
+        def step(s):
+            _, rstd = cutile.forward(s[0], w, 1e-6, 0.0, "llama")
+            cutile.backward(s[0], s[1], w, rstd, 0.0, "llama")
+
+        return step
     if kind == "fused_forward":
         return lambda s: cutile.fused_add_forward(s[0], s[1], w, 1e-6, 0.0, "llama", mode="pre")
     if kind == "qk_fwd":
@@ -331,24 +359,38 @@ def _call(cutile, kind: str, w):
     return lambda s: cutile.qk_backward(s[0], s[1], s[2], s[3], w, w, s[4], s[5], 0.0, "llama")
 
 
-def time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain, wide=False) -> dict:
+def candidate_table(key: str, sms: int, op: str, dtype: torch.dtype, n_b: int, cand, forward_doc=None) -> dict:
+    """The table a candidate is timed with: its one entry, plus ``forward_doc``'s forward entries when the
+    backward is timed after the forward (so that forward is the one the device's table launches)."""
+    one = tuning.new_doc(key, "", (0, 0), sms, "measured", "")
+    if forward_doc is not None:
+        one["forward"] = forward_doc.get("forward", {})
+    tuning.set_runs(one, op, tuning.DTYPE_NAMES[dtype], n_b, [{"m": 1, "winner": asdict(cand)}])
+    return one
+
+
+def time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain, wide=False, forward_doc=None) -> dict:
     """One run: every candidate at (m_b, n_b) timed through the product's host path (each half of a qk
-    candidate once); the winner."""
+    candidate once); the winner. With ``forward_doc`` (``--after-forward``) a backward candidate is timed
+    after the forward of that table, its GB/s those of the pair, and the run records ``"timed"``."""
+    after = op == "backward" and forward_doc is not None
     sets, parts = _inputs(op, m_b, n_b, dtype, device)
+    if after:
+        parts = {"": (traffic.full_bytes(m_b, n_b, dtype.itemsize), AFTER_FORWARD)}
     w = torch.randn(n_b, dtype=dtype, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     cands = tuning.candidates(op, m_b, n_b, dtype, sms, wide)
     gbps = {}
     for cand in cands:
-        one = tuning.new_doc(key, "", (0, 0), sms, "measured", "")
-        tuning.set_runs(one, op, tuning.DTYPE_NAMES[dtype], n_b, [{"m": 1, "winner": asdict(cand)}])
+        one = candidate_table(key, sms, op, dtype, n_b, cand, forward_doc if after else None)
         for side, (nbytes, kind) in parts.items():
             what = tuning.qk_half_label(cand, side) if op == "qk" else tuning.label(op, cand)
             if what in gbps:
                 continue  # a qk half already timed with another candidate
             with tuning.use_table(one):
                 try:
-                    us = tune_cutile._time_us(timer, _call(cutile, kind if op == "qk" else op, w), sets, reps)
+                    call = _call(cutile, kind if op == "qk" or after else op, w)
+                    us = tune_cutile._time_us(timer, call, sets, reps)
                     gbps[what] = round(traffic.gbps(nbytes, us), 1)
                 except Exception as exc:  # noqa: BLE001 - a candidate that fails to compile is a result too
                     print(f"    {op} {m_b}x{n_b} {what}: {base.short_error(exc)}", flush=True)
@@ -356,7 +398,8 @@ def time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain, 
         return {"m": m_b, "winner": asdict(qk_winner(cands, gbps, min_gain)), "gbps": gbps}
     winner = tuning.select_winner(gbps, tuning.label(op, cands[0]), min_gain)
     by_label = {tuning.label(op, c): c for c in cands}
-    return {"m": m_b, "winner": asdict(by_label[winner]), "gbps": gbps}
+    run = {"m": m_b, "winner": asdict(by_label[winner]), "gbps": gbps}
+    return {**run, "timed": AFTER_FORWARD} if after else run
 
 
 if __name__ == "__main__":

@@ -685,6 +685,33 @@ def test_the_qk_winner_takes_the_best_half_each_way_on_fake_timings(tune_table):
     tuning.Table(one_entry("qk", "bf16", 128, won, m=32768))  # a valid table entry
 
 
+def test_a_backward_timed_after_the_forward_runs_the_devices_forward(tune_table):
+    """``--after-forward``: each backward candidate is timed with the forward the device's table launches (the
+    shipped table's entries, not the heuristics'), that forward's rstd feeding the backward, as in training."""
+    shipped = tuning.packaged("sm90_132sm")
+    cand = config.BackwardCandidate("persistent", 4, 2048, 256, 1, 1, 8)
+    one = tuning.load(tune_table.candidate_table("sm90_132sm", SMS, "backward", BF16, 2304, cand, shipped.doc))
+    plain = tuning.load(tune_table.candidate_table("sm90_132sm", SMS, "backward", BF16, 2304, cand))
+    for m, n, dt in ((8192, 2304, BF16), (32768, 4096, BF16), (3000, 6144, torch.float32), (1 << 20, 128, BF16)):
+        assert one.lookup("forward", m, n, dt) == shipped.lookup("forward", m, n, dt), (m, n)
+        assert plain.lookup("forward", m, n, dt) is None  # timed alone, the forward never runs
+    assert one.lookup("backward", 8192, 2304, BF16) == cand == plain.lookup("backward", 8192, 2304, BF16)
+
+    calls = []
+
+    class Host:  # the two host calls a training step makes, in order
+        def forward(self, x, w, eps, offset, casting):
+            calls.append(("forward", x))
+            return "y", "rstd of the forward"
+
+        def backward(self, x, dy, w, rstd, offset, casting):
+            calls.append(("backward", x, dy, rstd))
+
+    tune_table._call(Host(), tune_table.AFTER_FORWARD, "w")(("x", "dy", "stored rstd"))
+    assert calls == [("forward", "x"), ("backward", "x", "dy", "rstd of the forward")]
+    assert tune_table.build_parser().parse_args(["--after-forward"]).after_forward
+
+
 def test_overlay_with_the_shipped_table_as_base_keeps_its_measured_entries(tune_table, tmp_path):
     shipped_path = REPO / "tilegym_rms/cutile/tuning/sm90_132sm.json"
     shipped_doc = json.loads(shipped_path.read_text())
