@@ -346,12 +346,8 @@ def _call(cutile, kind: str, w):
     if kind in ("forward", "backward"):
         return tune_cutile._call(cutile, kind, w)
     if kind == AFTER_FORWARD:  # a training step's order: the forward's rstd feeds the backward
-
-        def step(s):
-            _, rstd = cutile.forward(s[0], w, 1e-6, 0.0, "llama")
-            cutile.backward(s[0], s[1], w, rstd, 0.0, "llama")
-
-        return step
+        forward, backward = (tune_cutile._call(cutile, op, w) for op in ("forward", "backward"))
+        return lambda s: backward((s[0], s[1], forward(s)[1]))
     if kind == "fused_forward":
         return lambda s: cutile.fused_add_forward(s[0], s[1], w, 1e-6, 0.0, "llama", mode="pre")
     if kind == "qk_fwd":
