@@ -275,6 +275,61 @@ def graph_replay(m, n, dtype, device, calls: int) -> list[tuple[str, float]]:
     return rows
 
 
+def _arg_kernels():
+    """Kernels that differ only in how many array parameters they take (1, 2, 4, 6); each touches the
+    first alone, so their launches differ only in the argument packing."""
+    import cuda.tile as ct
+
+    def body(a):
+        ct.store(a, (0,), ct.load(a, (0,), (16,)))
+
+    @ct.kernel
+    def one(a):
+        body(a)
+
+    @ct.kernel
+    def two(a, b):
+        body(a)
+
+    @ct.kernel
+    def four(a, b, c, d):
+        body(a)
+
+    @ct.kernel
+    def six(a, b, c, d, e, f):
+        body(a)
+
+    return {1: one, 2: two, 4: four, 6: six}
+
+
+def launch_args(m, n, dtype, device, calls: int) -> list[tuple[str, float]]:
+    """What each tensor argument adds to a ``ct.launch``: the product's forward launch (six tensors: x, w,
+    y, rstd, and x and y again for the fused add's residual arguments), and one small kernel with 1-6
+    distinct tensors, or six of which two repeat. ``ct.launch`` exports each torch tensor through DLPack."""
+    import cuda.tile as ct
+
+    x, w = torch.randn(m, n, dtype=dtype, device=device), torch.randn(n, dtype=dtype, device=device)
+    y, rstd = torch.empty_like(x), torch.empty(m, dtype=torch.float32, device=device)
+    dy, y2 = torch.randn_like(x), torch.empty_like(x)
+    stream, grid, kernel, args = _prepared_forward(x, w, y, rstd)
+    kernels = _arg_kernels()
+    tensors = (rstd, x, w, y, dy, y2)
+    pieces = [("ct.launch fwd, prepared args (6 tensors)", lambda: ct.launch(stream, grid, kernel, args))]
+    for k, kern in kernels.items():
+        pieces.append(
+            (
+                f"ct.launch small kernel, {k} distinct tensors",
+                lambda k=k, kern=kern: ct.launch(stream, (1,), kern, tensors[:k]),
+            )
+        )
+    repeated = (rstd, x, w, y, x, y)
+    pieces.append(
+        ("ct.launch small kernel, 6 tensors, 2 repeated", lambda: ct.launch(stream, (1,), kernels[6], repeated))
+    )
+    pieces.append(("torch._C._to_dlpack(x)", lambda: torch._C._to_dlpack(x)))
+    return [(name, per_call_us(fn, device, calls)) for name, fn in pieces]
+
+
 def _cutile():
     import tilegym_rms.cutile
 
@@ -347,6 +402,7 @@ def main(argv=None) -> int:
         "--headline", type=int, metavar="ROUNDS", help="only the target calls, in turns over ROUNDS rounds"
     )
     parser.add_argument("--graph", action="store_true", help="only the pieces of a CUDA-graph replayed launch")
+    parser.add_argument("--launch-args", action="store_true", help="only what each tensor argument adds to a launch")
     args = parser.parse_args(argv)
     device = timing.cuda_device(parser.prog)
     if device is None:
@@ -360,8 +416,9 @@ def main(argv=None) -> int:
             print(f"  {name:<48} min {low:8.1f}  median {mid:8.1f}")
         return 0
     print(f"{torch.cuda.get_device_name(device)}; M={args.m} N={args.n} {args.dtype}; us per call (median)")
-    if args.graph:
-        for name, us in graph_replay(args.m, args.n, base.DTYPES[args.dtype], device, args.calls):
+    if args.graph or args.launch_args:
+        measure = graph_replay if args.graph else launch_args
+        for name, us in measure(args.m, args.n, base.DTYPES[args.dtype], device, args.calls):
             print(f"  {name:<48} {us:8.1f}")
         return 0
     table = steps(args.m, args.n, base.DTYPES[args.dtype], device)
