@@ -15,8 +15,8 @@ so an interrupted sweep resumes with ``--merge`` on its own output: points alrea
     python bench/tune_table.py --ops forward --wide --dtypes bf16 --n 64,128,256 --m 65536 --out w.json
     python bench/tune_table.py --overlay s.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
         --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # merged into the shipped table
-    python bench/tune_table.py --overlay h200.json --out tilegym_rms/cutile/tuning/sm90_132sm.nvidia-h200.json
-                                                   # a card's first table: its sweep over the analytic table
+    python bench/tune_table.py --overlay h200.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
+        --out tilegym_rms/cutile/tuning/sm90_132sm.nvidia-h200.json  # a card's first table, from its class's
     python bench/tune_table.py --analytic --sms 132 --capability 9.0 --name "NVIDIA H100 80GB HBM3" \\
         --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # the analytic table, no GPU
 
@@ -26,7 +26,9 @@ step runs them: a backward can win alone and lose there (bench/NOTES.md, experim
 
 An overlay keeps a bucket's winner unless the sweep timed it and beat it by ``--min-gain`` (``tuning.overlay``).
 The sweep's key is the device's (``tuning.device_key``): an H200's is ``sm90_132sm.nvidia-h200``, so its sweep
-never lands in the H100's table.
+never lands in the H100's table. Overlaid with its class's table as ``--base``, it starts the card's own table
+from the class's winners (``tuning.card_start``): buckets the card's sweep did not measure keep what the card ran
+before its table shipped.
 
 Ops (``--ops``, default forward,backward): ``forward`` and ``backward`` time ``cutile.forward`` /
 ``cutile.backward``; ``fused_forward`` the forward candidates through ``cutile.fused_add_forward(x, r, w,
@@ -222,6 +224,8 @@ def main(argv=None) -> int:
         dev = measured["device"]
         if args.base:  # read before --out may overwrite it
             base = json.loads(open(args.base).read())
+            if dev["key"] != base["device"]["key"] and dev["key"].split(".")[0] == base["device"]["key"]:
+                base = tuning.card_start(base, dev)  # the card's first table, begun from its class's
         else:
             base = tuning.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)
         tuning.write(tuning.overlay(base, measured, args.min_gain), args.out)

@@ -456,6 +456,41 @@ def test_a_sweep_on_another_card_of_the_same_key_is_refused(tune_table, tmp_path
     assert tuning.load(out).lookup("forward", 8192, 2048, BF16) == cand
 
 
+def test_a_cards_first_table_starts_from_its_classs(tune_table, tmp_path):
+    """An H200's sweep (its own key, sm90_132sm.nvidia-h200) laid over the class's table: a bucket it measured
+    takes its winner where that beats the class's, and every bucket it did not measure keeps the class's
+    winner, which the card ran before its table shipped, not the heuristics'. The file names the card, and the
+    card the inherited winners were measured on, without that card's timings."""
+    base = REPO / "tilegym_rms/cutile/tuning/sm90_132sm.json"
+    class_table = tuning.load(base)
+    n, m = 4096, 32768
+    incumbent = class_table.lookup("backward", m, n, BF16)
+    challenger = config.BackwardCandidate("persistent", 4, 4096, 0, 1, 1, 8)
+    assert challenger != incumbent
+    h200 = {"key": "sm90_132sm.nvidia-h200", "name": "NVIDIA H200", "capability": [9, 0], "sms": SMS}
+    sweep = tuning.new_doc(h200["key"], h200["name"], (9, 0), SMS, "measured", "h200 sweep")
+    gbps = {tuning.label("backward", incumbent): 3000.0, tuning.label("backward", challenger): 3300.0}
+    tuning.set_runs(sweep, "backward", "bf16", n, [{"m": m, "winner": asdict(challenger), "gbps": gbps}])
+    sweep_path, out = tmp_path / "h200.json", tmp_path / "sm90_132sm.nvidia-h200.json"
+    tuning.write(sweep, sweep_path)
+    assert tune_table.main(["--overlay", str(sweep_path), "--base", str(base), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["device"] == h200 and doc["based_on"]["name"] == H100
+    table = tuning.load(doc)
+    assert table.lookup("backward", m, n, BF16) == challenger
+    assert table.lookup("backward", m // 2, n, BF16) == class_table.lookup("backward", m // 2, n, BF16)
+    analytic = tuning.load(tuning.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test"))
+    points = [(op, dt, nb, mb) for op in ("forward", "backward") for dt in (BF16, torch.float32)
+              for nb in (896, 2304, 6144) for mb in (1, 8192, 32768)]  # fmt: skip
+    for op, dt, nb, mb in points:
+        assert table.lookup(op, mb, nb, dt) == class_table.lookup(op, mb, nb, dt), (op, dt, nb, mb)
+    # the check has teeth: at these points the class's measured winners are not all the heuristics'
+    assert any(class_table.lookup(op, mb, nb, dt) != analytic.lookup(op, mb, nb, dt) for op, dt, nb, mb in points)
+    assert all("gbps" not in r for r in doc["forward"]["bf16"]["2304"])
+    with pytest.raises(tuning.TuningTableError, match="not the key of a card of class"):
+        tuning.card_start(class_table.doc, {**h200, "key": "sm100_148sm.nvidia-b200"})
+
+
 # --- the fused add's forward: its own entry, then the plain forward's, then the heuristics ---
 
 

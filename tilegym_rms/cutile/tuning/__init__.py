@@ -562,6 +562,26 @@ def merge(base: dict, new: dict) -> dict:
     return out
 
 
+def card_start(class_doc: dict, device: dict) -> dict:
+    """A card's first table, begun from its class's table measured on another card of the class (see
+    :func:`card_key`). It holds the class's winners under the card's own ``device`` entry, with ``based_on``
+    naming the card they were measured on; their timings are left out (they are that card's). A sweep on the
+    card laid over it (``tune_table.py --overlay SWEEP --base <class table>``) then keeps the choice the card
+    runs today at every bucket the sweep did not measure, not the heuristics'."""
+    class_key_ = class_doc["device"]["key"]
+    if device["key"].split(".")[0] != class_key_ or device["key"] == class_key_:
+        raise TuningTableError(f"{device['key']!r} is not the key of a card of class {class_key_!r}")
+    out = json.loads(json.dumps(class_doc))
+    out["device"] = dict(device)
+    out["based_on"] = class_doc["device"]
+    for op in OPS:
+        for dt, by_n in class_doc.get(op, {}).items():
+            for key, runs in by_n.items():
+                set_runs(out, op, dt, int(key), [{"m": r["m"], "winner": r["winner"]} for r in runs])
+    out["source"] = source_of(out)
+    return out
+
+
 def _winner_at(runs: list[dict], m_b: int) -> dict:
     """The winner a run list gives M bucket ``m_b`` (the floor rule of :meth:`Table.lookup`)."""
     return next((r["winner"] for r in reversed(runs) if r["m"] <= m_b), runs[0]["winner"])
