@@ -130,11 +130,26 @@ def throughput_rows(recs: list[dict], providers: list[str]) -> list[list[str]]:
     return rows
 
 
+# Issue #14's host targets, per op of the latency tables: our eager call against torch's in the same run.
+HOST_TARGETS = {"forward": 1.0, "full": 1.1}
+HOST_TARGET_COLUMN = "cuTile ÷ torch (issue #14 target)"
+
+
+def host_target_cell(by: dict, target: float) -> str:
+    """'1.11× (≤ 1.00×: missed)': cuTile's latency over torch's, judged against the target."""
+    if CUTILE not in by or "torch" not in by:
+        return MISSING
+    ratio = by[CUTILE][0] / by["torch"][0]
+    return f"{ratio:.2f}× (≤ {target:.2f}×: {'met' if ratio <= target else 'missed'})"
+
+
 def latency_rows(recs: list[dict], providers: list[str]) -> list[list[str]]:
+    """µs per provider, and for an op with a host target (:data:`HOST_TARGETS`) the target's verdict."""
+    target = HOST_TARGETS.get(recs[0]["kernel_operation_mode"])
     rows = []
     for (m, n), by in sorted(points(recs).items()):
         cells = [f"{by[p][0]:.1f}{mismatch(by[p][1], m, n)}" if p in by else MISSING for p in providers]
-        rows.append([f"{m} × {n}"] + cells)
+        rows.append([f"{m} × {n}"] + cells + ([host_target_cell(by, target)] if target else []))
     return rows
 
 
@@ -238,7 +253,10 @@ def render_file(path: Path, out_dir: Path) -> tuple[list[str], set[str]]:
             heading += f" ([plot]({rel(png, out_dir)}))"
             linked.add(png.name)
         rows = ROWS[kind](recs_of, providers)
-        out += [heading, "", markdown_table(["M × N"] + [NAMES.get(p, p) for p in providers], rows), ""]
+        columns = ["M × N"] + [NAMES.get(p, p) for p in providers]
+        if kind == "latency" and op in HOST_TARGETS:
+            columns.append(HOST_TARGET_COLUMN)
+        out += [heading, "", markdown_table(columns, rows), ""]
     return out, linked
 
 

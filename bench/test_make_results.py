@@ -64,3 +64,23 @@ def test_check_mode(tmp_path):
     args = ["--out", str(out), "--check"]
     assert make_results.main(args) == 1 and not out.exists()
     assert make_results.main(args[:2]) == 0 and make_results.main(args) == 0
+
+
+def test_latency_tables_judge_the_host_targets(tmp_path):
+    """The eager-latency tables carry issue #14's host targets: cuTile's time over torch's in the same run,
+    at most 1.0x for the forward and 1.1x for the forward + backward, with the verdict."""
+    meta = {"gpu_name": "Test GPU", "timestamp": "2030-01-02 03:04:05", "tilegym_rms_version": "9.9"}
+    pts = []
+    for op, ours, torch_us in (("forward", 20.0, 18.0), ("full", 110.0, 100.0)):
+        for provider, us in (("tilegym_rms-cutile", ours), ("torch", torch_us)):
+            extra = {"N": 4096, "dtype": "bf16", "suite": "latency"}
+            p = records.Point("rms_norm", op, "latency", provider, "bf16", 64, 4096, "M", "rows M", 64, extra)
+            p.us, p.metric, p.errs, p.ok = [us] * 3, "latency", {"y": 1e-3}, True
+            pts.append(p)
+    card = tmp_path / "results" / "test"
+    card.mkdir(parents=True)
+    (card / "rms_norm.json").write_text(json.dumps(records.build_records(pts, meta)))
+    text = make_results.render(tmp_path / "results", tmp_path / "RESULTS.md")
+    assert f"| M × N | cuTile | torch | {make_results.HOST_TARGET_COLUMN} |" in text
+    assert "| 64 × 4096 | 20.0 | 18.0 | 1.11× (≤ 1.00×: missed) |" in text
+    assert "| 64 × 4096 | 110.0 | 100.0 | 1.10× (≤ 1.10×: met) |" in text
