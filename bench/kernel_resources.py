@@ -7,6 +7,12 @@ analytic heuristics' with ``--analytic`` or where no table ships for that class.
 A kernel that needs more than 255 registers a thread, or shows a stack, spills to local memory: the first
 thing to look at when a variant streams below the copy bandwidth (bench/NOTES.md, experiments 10 and 17).
 
+Each variant is compiled as a launch specializes it for contiguous tensors with 16-byte aligned rows
+(``aot.cubin(..., as_launched=True)``): that build loads through TMA into a ring of shared-memory stages and
+splits its warps, so its registers, stack and shared memory differ from the build without those assumptions.
+``--generic`` reports that other build instead; it is the one the compile check builds, and the one a launch
+makes for rows that are not 16-byte aligned (experiment 51).
+
     python bench/kernel_resources.py --shapes 32768x4096,4096x16384,4096x32768 --dtype bf16
 """
 
@@ -66,6 +72,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default="sm_90", help="compile target (default %(default)s)")
     parser.add_argument("--sms", type=int, default=132, help="SM count the heuristics assume (H100: 132)")
     parser.add_argument("--analytic", action="store_true", help="the heuristics' choices, not the tuning table's")
+    parser.add_argument("--generic", action="store_true", help="the build without alignment assumptions")
     args = parser.parse_args(argv)
     base.ensure_repo_on_path()
     from tilegym_rms import aot
@@ -76,13 +83,14 @@ def main(argv=None) -> int:
         return 2
     dtype = base.DTYPES[args.dtype]
     table, source = chosen_table(args.arch, args.sms, args.analytic)
-    print(f"{args.arch}, {args.dtype}, {source}; per thread: registers, stack bytes; per block: shared bytes")
+    build = "the generic build" if args.generic else "as launched on 16-byte aligned rows"
+    print(f"{args.arch}, {args.dtype}, {source}, {build}; per thread: registers, stack bytes; per block: shared bytes")
     for item in args.shapes.split(","):
         m, n = (int(v) for v in item.lower().split("x"))
         print(f"{m} x {n}:")
         # What a training call launches for this shape (default dispatch, weight, llama casting).
         for v in aot.variants_for(m, n, dtype, args.sms, kernels=(None,), every_path=False, table=table):
-            use = resource_usage(aot.cubin(v, args.arch), cuobjdump)
+            use = resource_usage(aot.cubin(v, args.arch, as_launched=not args.generic), cuobjdump)
             print(f"  {v.describe():<96} REG {use['REG']:>3}  STACK {use['STACK']:>4}  SHARED {use['SHARED']:>6}")
     return 0
 

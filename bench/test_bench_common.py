@@ -160,6 +160,27 @@ def test_kernel_resources_reads_the_compilers_report():
     assert 0 < use["REG"] <= 255 and use["STACK"] >= 0 and use["SHARED"] >= 0
 
 
+def test_kernel_resources_reports_the_build_a_launch_makes():
+    """A launch on 16-byte aligned rows specializes the persistent forward into a TMA build that stages its row
+    tiles in shared memory, with fewer registers; the build without that assumption, which the compile check
+    makes, stages none. kernel_resources.py reports the first unless --generic."""
+    pytest.importorskip("cuda.tile")
+    import kernel_resources as kr
+
+    from tilegym_rms import aot
+
+    cuobjdump = kr.find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton)")
+    v = next(v for v in aot.variants_for(32768, 896, torch.bfloat16, 132, kernels=("persistent",), every_path=False))
+    assert v.kernel_name == "rms_norm_fwd_persistent"
+    tile_bytes = v.params[8] * v.params[9] * 2  # TILE_M x TILE_N bf16
+    launched = kr.resource_usage(aot.cubin(v, "sm_90", as_launched=True), cuobjdump)
+    generic = kr.resource_usage(aot.cubin(v, "sm_90"), cuobjdump)
+    assert launched["SHARED"] >= tile_bytes > generic["SHARED"], (launched, generic)
+    assert launched["REG"] < generic["REG"]
+
+
 def test_kernel_resources_reports_what_the_table_launches(monkeypatch, capsys):
     """On an H100's class the host launches the tuning table's winners, so the report shows those (bf16 32768 x
     1536: the table's 8-row backward tile, the heuristics' 4); ``--analytic`` shows the heuristics' instead."""
@@ -178,7 +199,7 @@ def test_kernel_resources_reports_what_the_table_launches(monkeypatch, capsys):
     assert want != config.backward_candidate(m, n, torch.bfloat16, 132).tile_m  # the two differ here
     seen = []
     monkeypatch.setattr(kr, "find_cuobjdump", lambda: "cuobjdump")
-    monkeypatch.setattr(aot, "cubin", lambda v, arch: seen.append(v) or b"")
+    monkeypatch.setattr(aot, "cubin", lambda v, arch, as_launched: seen.append(v) or b"")
     monkeypatch.setattr(kr, "resource_usage", lambda cubin, tool: {"REG": 1, "STACK": 0, "SHARED": 0})
     for extra, tile_m in (([], want), (["--analytic"], config.backward_candidate(m, n, torch.bfloat16, 132).tile_m)):
         seen.clear()

@@ -289,7 +289,15 @@ def qk_variants() -> list[Variant]:
     return list(found)
 
 
-def _signature(v: Variant):
+# Bytes to which a launched array's base address and row stride are aligned in the "as launched" signature.
+LAUNCH_ALIGN_BYTES = 16
+
+
+def _signature(v: Variant, as_launched: bool = False):
+    """The variant's signature with no assumption on its arrays beyond their rank and dtype (the compile
+    check's), or ``as_launched``: what a launch derives from contiguous tensors whose rows are 16-byte aligned
+    (every hidden size that is a multiple of 8 in 16-bit, 4 in fp32). Only that build can use TMA, so it is the
+    one the GPU runs for such shapes; its registers and shared memory differ (bench/NOTES.md, experiment 51)."""
     import cuda.tile as ct
     from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
@@ -297,6 +305,14 @@ def _signature(v: Variant):
     params = []
     for p in v.params:
         if isinstance(p, tuple) and p[0] == "array":
+            aligned = {}
+            if as_launched:
+                ndim, itemsize = p[2], p[1].itemsize
+                aligned = dict(
+                    stride_constant=(None,) * (ndim - 1) + (1,),
+                    stride_divisible_by=(LAUNCH_ALIGN_BYTES // itemsize,) * (ndim - 1) + (1,),
+                    base_addr_divisible_by=LAUNCH_ALIGN_BYTES,
+                )
             params.append(
                 ArrayConstraint(
                     ct_dtype[p[1]],
@@ -305,6 +321,7 @@ def _signature(v: Variant):
                     stride_lower_bound_incl=0,
                     alias_groups=(),
                     may_alias_internally=False,
+                    **aligned,
                 )
             )
         elif isinstance(p, tuple) and p[0] == "scalar":
@@ -314,8 +331,8 @@ def _signature(v: Variant):
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
 
-def cubin(v: Variant, arch: str) -> bytes:
-    """One variant compiled for ``arch`` (raises on failure)."""
+def cubin(v: Variant, arch: str, as_launched: bool = False) -> bytes:
+    """One variant compiled for ``arch`` (raises on failure); ``as_launched``: see :func:`_signature`."""
     from cuda.tile.compilation import export_kernel
 
     from .cutile import kernels
@@ -323,7 +340,7 @@ def cubin(v: Variant, arch: str) -> bytes:
 
     buf = io.BytesIO()
     kernel = with_hints(getattr(kernels, v.kernel_name), v.hints)
-    export_kernel(kernel, [_signature(v)], buf, gpu_code=arch, output_format="cubin")
+    export_kernel(kernel, [_signature(v, as_launched)], buf, gpu_code=arch, output_format="cubin")
     if not buf.getvalue():
         raise RuntimeError("empty cubin")
     return buf.getvalue()
