@@ -42,8 +42,9 @@ backward half make the winner (11 candidates, 12 timings) where timing every pai
 head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile_n``).
 
 ``--wide`` times more candidates per point (``tuning.candidates(wide=True)``: occupancy hints of 2x and 4x,
-half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, an
-eight-warp build of each persistent tile at one block per SM, the plain norm's choice for qk): about twice
+half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, builds of
+each persistent tile at one block per SM with eight warps and at occupancy 1 (the deepest ring of TMA load
+stages, experiment 51), the plain norm's choice for qk): about twice
 the compiles and several times the timings, so it is meant for few widths at a time (``--plan`` estimates a
 sweep's size and time; bench/NOTES.md, experiments 43 and 46, have some).
 

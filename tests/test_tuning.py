@@ -825,17 +825,22 @@ def test_wide_forward_candidates_try_a_padded_row_as_tile_and_tail(n, split):
     assert all(tuning.candidate_error("forward", c, n) is None for c in cands)
 
 
-@pytest.mark.parametrize("op, n", [("forward", 2304), ("forward", 4608), ("backward", 3584), ("backward", 6144)])
-def test_wide_candidates_build_each_persistent_tile_with_eight_warps(op, n):
-    """Every persistent tile shape the wide set times with the compiler's warps is also timed with eight warps
-    at one block per SM (the build that keeps a 16384-element tile in registers); the quick set has none."""
+@pytest.mark.parametrize(
+    "op, n", [("forward", 896), ("forward", 2304), ("forward", 4608), ("backward", 3584), ("backward", 6144)]
+)
+def test_wide_candidates_build_each_persistent_tile_at_one_block_per_sm(op, n):
+    """Every persistent tile shape the wide set times with the compiler's warps is also timed at one block per
+    SM, with eight warps and with the compiler's warps at occupancy 1 (the deepest ring of load stages as
+    launched, experiment 51); the quick set has neither."""
     kind = "kernel" if op == "forward" else "plan"
     wide = tuning.candidates(op, 32768, n, BF16, SMS, wide=True)
+    quick = tuning.candidates(op, 32768, n, BF16, SMS)
     persistent = [c for c in wide if getattr(c, kind) == "persistent"]
     default_shapes = {(c.tile_m, c.tile_n, c.tail_n) for c in persistent if not c.num_worker_warps}
-    eight = {(c.tile_m, c.tile_n, c.tail_n) for c in persistent if (c.num_worker_warps, c.occupancy) == (8, 1)}
-    assert default_shapes and default_shapes <= eight
-    assert all(c.blocks_per_sm == 1 for c in persistent if (c.num_worker_warps, c.occupancy) == (8, 1))
+    for warps in (8, 0):
+        built = [c for c in persistent if (c.num_worker_warps, c.occupancy, c.blocks_per_sm) == (warps, 1, 1)]
+        assert default_shapes and default_shapes <= {(c.tile_m, c.tile_n, c.tail_n) for c in built}, warps
+        assert not [c for c in quick if (c.num_worker_warps, c.occupancy, c.blocks_per_sm) == (warps, 1, 1)]
     assert len(set(wide)) == len(wide)
     assert all(tuning.candidate_error(op, c, n) is None for c in wide)
     assert not any(c.num_worker_warps == 8 and c.occupancy == 1 for c in tuning.candidates(op, 32768, n, BF16, SMS))

@@ -431,8 +431,8 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
     ``wide`` reaches further where the quick neighbours left a gap to the peers: four times the blocks per
     SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
     four times the analytic one (for qk on both halves; for the forward ops on both kernels); for a padded
-    persistent forward row, the row as a tile plus a tail tile; and an eight-warp build of each persistent tile
-    shape (:func:`_add_eight_warps`)."""
+    persistent forward row, the row as a tile plus a tail tile; and one-block-per-SM builds of each persistent
+    tile shape, with eight warps and at occupancy 1 (:func:`_add_one_block_builds`)."""
     out: list = []
 
     def add(cand):
@@ -492,7 +492,7 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
                             split = dict(tile_n=tile_n, tail_n=tail_n, tile_m=tile_m, occupancy=occupancy)
                             add(replace(base, **split, blocks_per_sm=base.blocks_per_sm * b))
         if wide:
-            _add_eight_warps(add, out, "kernel")
+            _add_one_block_builds(add, out, "kernel")
         return out
     base = config.backward_candidate(m_b, n_b, dtype, sms)
     add(base)
@@ -504,19 +504,21 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
     add(replace(base, tile_m=base.tile_m * 2))
     if wide:
         add(replace(base, tile_m=base.tile_m // 2))
-        _add_eight_warps(add, out, "plan")
+        _add_one_block_builds(add, out, "plan")
     return out
 
 
-def _add_eight_warps(add, out: list, kind: str) -> None:
-    """The wide set's eight-warp build of each persistent tile shape in ``out`` that leaves the warps to
-    the compiler, at one block per SM. With its default warps and two blocks per SM the compiler spills tiles
-    of 8192-16384 elements to local memory (``bench/kernel_resources.py``); eight warps hold them in
-    registers."""
+def _add_one_block_builds(add, out: list, kind: str) -> None:
+    """The wide set's one-block-per-SM builds of each persistent tile shape in ``out`` that leaves the warps to
+    the compiler: with eight warps, and with the compiler's warps at occupancy 1. As launched on aligned rows the
+    compiler stages row tiles in a ring of shared memory sized by the occupancy hint: at occupancy 1 about five
+    32 KB tiles, at occupancy 2 three, at 4 one (bench/NOTES.md, experiment 51), so these are the builds with
+    the most of a block's own loads in flight."""
     shapes = {(c.tile_m, c.tile_n, c.tail_n): c for c in out if getattr(c, kind) == "persistent"}
     for c in shapes.values():
         if not c.num_worker_warps:
             add(replace(c, blocks_per_sm=1, occupancy=1, num_worker_warps=8))
+            add(replace(c, blocks_per_sm=1, occupancy=1))
 
 
 def select_winner(gbps: dict[str, float], default: str, min_gain: float = 0.01) -> str:
