@@ -225,7 +225,7 @@ def main(argv=None) -> int:
         dev = measured["device"]
         if args.base:  # read before --out may overwrite it
             base = json.loads(open(args.base).read())
-            if dev["key"] != base["device"]["key"] and dev["key"].split(".")[0] == base["device"]["key"]:
+            if tuning.is_card_of(dev["key"], base["device"]["key"]):
                 base = tuning.card_start(base, dev)  # the card's first table, begun from its class's
         else:
             base = tuning.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)

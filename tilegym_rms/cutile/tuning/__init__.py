@@ -300,6 +300,16 @@ def card_key(class_key_: str, name: str) -> str:
     return f"{class_key_}.{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}"
 
 
+def class_of(key: str) -> str:
+    """The class key within a card key (:func:`card_key`); a class key is its own."""
+    return key.split(".")[0]
+
+
+def is_card_of(key: str, class_key_: str) -> bool:
+    """Whether ``key`` is a card key (:func:`card_key`) of the class ``class_key_``, not the class key itself."""
+    return key != class_key_ and class_of(key) == class_key_
+
+
 def device_key(device_index: int) -> str:
     """The key of a device's table (:func:`card_key`)."""
     from ..launch import num_sms
@@ -336,7 +346,7 @@ def table_for(device_index: int) -> Table | None:
         key = device_key(device_index)
         # A card with no table of its own runs its class's (measured on another card of the class) rather than
         # the heuristics: the same chip, other memory.
-        return packaged(key) or packaged(key.split(".")[0])
+        return packaged(key) or packaged(class_of(key))
     return choice
 
 
@@ -571,7 +581,7 @@ def card_start(class_doc: dict, device: dict) -> dict:
     card laid over it (``tune_table.py --overlay SWEEP --base <class table>``) then keeps the choice the card
     runs today at every bucket the sweep did not measure, not the heuristics'."""
     class_key_ = class_doc["device"]["key"]
-    if device["key"].split(".")[0] != class_key_ or device["key"] == class_key_:
+    if not is_card_of(device["key"], class_key_):
         raise TuningTableError(f"{device['key']!r} is not the key of a card of class {class_key_!r}")
     out = json.loads(json.dumps(class_doc))
     out["device"] = dict(device)
