@@ -22,11 +22,12 @@ import sys
 import torch
 
 try:
-    from . import base, timing, traffic
+    from . import base, timing, traffic, tune_cutile
 except ImportError:
     import base
     import timing
     import traffic
+    import tune_cutile
 
 base.ensure_repo_on_path()
 
@@ -81,7 +82,9 @@ def _bwd_tile(xr, dyr, r, w_t, dx, t, n, acc, DW_PER_ROW):
     dyf = ct.astype(dyr, _F32)
     g = dyf * w_t
     c = K._row_dot(xhat, g) / n
-    ct.store(dx, (t, 0), ct.astype((g - xhat * c) * r, dx.dtype), allow_tma=False, latency=3)
+    # No residual gradient to add: dx stands in for dres, which HAS_DRES=False never reads.
+    dx_tile = K._dx(g, xhat, c, r, dx, (t, 0), xhat.shape, False, dx.dtype)
+    ct.store(dx, (t, 0), dx_tile, allow_tma=False, latency=3)
     return K._dw_add(acc, dyf, xhat, DW_PER_ROW)
 
 
@@ -150,7 +153,7 @@ def _launch_shape(cfg, eight, sms):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", required=True, help="MxN,MxN,...")
+    parser.add_argument("--shapes", required=True, type=tune_cutile.parse_shapes, help="MxN,MxN,...")
     parser.add_argument("--dtype", default="bf16", choices=sorted(base.DTYPES))
     parser.add_argument("--ops", default="forward,backward")
     parser.add_argument("--reps", type=int, default=10)
@@ -170,8 +173,7 @@ def main(argv=None) -> int:
     key = tuning.device_key(device.index)
     print(f"{torch.cuda.get_device_name(device)}; copy {copy_bw:.0f} GB/s; {args.dtype}; table {key}")
     stream = launch._current_stream(device.index)
-    for shape in args.shapes.split(","):
-        m, n = (int(v) for v in shape.lower().split("x"))
+    for m, n in args.shapes:
         for op in args.ops.split(","):
             nbytes = traffic.op_bytes(op, m, n, dtype.itemsize)
             count, _ = traffic.rotation_sets(nbytes, timing.l2_bytes(device))
