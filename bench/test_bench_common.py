@@ -404,3 +404,29 @@ def test_heldout_measure_writes_its_own_file(tmp_path, monkeypatch, capsys):
     assert measured == {(op, s["dtype"], f"{s['m']}x{s['n']}") for op in ops for s in shapes}
     assert {r["kernel_provider"] for r in held} == {"tilegym_rms-torch", "torch"}
     assert all(not r["mismatch_x_values"] for r in held)
+
+
+def test_ncu_compare_profiles_one_checked_call_per_provider():
+    """Only the third call of each provider runs between the profiler's start and stop, in provider order, and a
+    provider with wrong outputs is reported and counted."""
+    import ncu_compare
+
+    events = []
+    right = providers.Provider(
+        "right", lambda x, w: (events.append("right"), providers.llama_rms_norm(x, w, base.EPS))[1]
+    )
+    wrong = providers.Provider(
+        "wrong", lambda x, w: (events.append("wrong"), 2 * providers.llama_rms_norm(x, w, base.EPS))[1]
+    )
+    lines, failed = ncu_compare.profile_calls(
+        [right, wrong],
+        "forward",
+        [(8, 64)],
+        "fp32",
+        torch.device("cpu"),
+        lambda: events.append("start"),
+        lambda: events.append("stop"),
+    )
+    assert events == ["right"] * 2 + ["start", "right", "stop"] + ["wrong"] * 2 + ["start", "wrong", "stop"]
+    assert failed == 1
+    assert lines[0].startswith("8x64 fp32 forward: right (ok") and "wrong (WRONG" in lines[0]
