@@ -48,34 +48,30 @@ def main(argv: list[str] | None = None) -> int:
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     cudart = torch.cuda.cudart()
-    lines, failed = profile_calls(
-        found,
-        args.op,
-        tune_cutile.parse_shapes(args.shapes),
-        args.dtype,
-        device,
-        cudart.cudaProfilerStart,
-        cudart.cudaProfilerStop,
-    )
-    print("\n".join(lines))
+    shapes = tune_cutile.parse_shapes(args.shapes)
+    failed = 0
+    for line, wrong in profile_calls(
+        found, args.op, shapes, args.dtype, device, cudart.cudaProfilerStart, cudart.cudaProfilerStop
+    ):
+        print(line, flush=True)  # as each shape ends, so the log sits beside ncu's lines for its kernels
+        failed += wrong
     return 1 if failed else 0
 
 
-def profile_calls(found, op, shapes, dtype_name, device, start, stop) -> tuple[list[str], int]:
+def profile_calls(found, op, shapes, dtype_name, device, start, stop):
     """Per shape, each provider's ``op`` run twice unprofiled and checked against float64, then once between
-    ``start()`` and ``stop()``. Returns one line per shape (the providers in the order they ran, which is the
-    order of their kernels in the profile) and the number of wrong results."""
-    lines, failed = [], 0
+    ``start()`` and ``stop()``. Yields, per shape, a line naming the providers in the order they ran (the order of
+    their kernels in the profile) and the number of them whose outputs were wrong."""
     for m, n in shapes:
         sets = providers.InputSets(m, n, base.DTYPES[dtype_name], device, 1, seed=0, eps=base.EPS)
-        order = []
+        order, wrong = [], 0
         for prov in found:
             call, _ = providers.build_call(op, prov, sets)
             for _ in range(2):
                 outputs = call(0)
             errs = providers.output_errors(op, sets, base.EPS, outputs)
             ok = providers.check_ok(errs, dtype_name)
-            failed += not ok
+            wrong += not ok
             timing.sync(device)
             start()
             call(0)
@@ -83,8 +79,7 @@ def profile_calls(found, op, shapes, dtype_name, device, start, stop) -> tuple[l
             stop()
             errs_text = " ".join(f"{k}={v:.1e}" for k, v in errs.items())
             order.append(f"{prov.name} ({'ok' if ok else 'WRONG'}: {errs_text})")
-        lines.append(f"{m}x{n} {dtype_name} {op}: " + ", ".join(order))
-    return lines, failed
+        yield f"{m}x{n} {dtype_name} {op}: " + ", ".join(order), wrong
 
 
 if __name__ == "__main__":

@@ -418,7 +418,7 @@ def test_ncu_compare_profiles_one_checked_call_per_provider():
     wrong = providers.Provider(
         "wrong", lambda x, w: (events.append("wrong"), 2 * providers.llama_rms_norm(x, w, base.EPS))[1]
     )
-    lines, failed = ncu_compare.profile_calls(
+    [(line, failed)] = ncu_compare.profile_calls(
         [right, wrong],
         "forward",
         [(8, 64)],
@@ -429,4 +429,4 @@ def test_ncu_compare_profiles_one_checked_call_per_provider():
     )
     assert events == ["right"] * 2 + ["start", "right", "stop"] + ["wrong"] * 2 + ["start", "wrong", "stop"]
     assert failed == 1
-    assert lines[0].startswith("8x64 fp32 forward: right (ok") and "wrong (WRONG" in lines[0]
+    assert line.startswith("8x64 fp32 forward: right (ok") and "wrong (WRONG" in line
