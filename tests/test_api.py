@@ -69,6 +69,8 @@ def test_backward_argument_errors():
         tilegym_rms.rms_norm_backward(x, torch.randn(3, 9), None, rstd)
     with pytest.raises(ValueError, match="one value per row"):
         tilegym_rms.rms_norm_backward(x, torch.randn(3, 8), None, rstd[:2])
+    with pytest.raises(ValueError, match=r"rstd must be on the device of x \(cpu\), got meta"):
+        tilegym_rms.rms_norm_backward(x, torch.randn(3, 8), None, rstd.to("meta"))
 
 
 def test_kernel_backends_reject_float64_with_a_hint():

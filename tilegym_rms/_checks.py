@@ -103,11 +103,10 @@ def check_rstd(rstd, x) -> None:
     device, fp32 (fp64 for fp64 ``x``). Any other dtype would be read as garbage by the kernels."""
     check_tensor("rstd", rstd)
     rows = math.prod(x.shape[:-1])
-    if rstd.numel() != rows or rstd.device != x.device:
-        raise ValueError(
-            f"rstd must hold one value per row of x ({rows} on {x.device}), "
-            f"got shape {tuple(rstd.shape)} on {rstd.device}"
-        )
+    if rstd.device != x.device:
+        raise ValueError(f"rstd must be on the device of x ({x.device}), got {rstd.device}")
+    if rstd.numel() != rows:
+        raise ValueError(f"rstd must hold one value per row of x ({rows}), got shape {tuple(rstd.shape)}")
     if rstd.dtype != compute_dtype(x.dtype):
         raise TypeError(
             f"rstd must be {_dtype_names([compute_dtype(x.dtype)])} for x of dtype {_dtype_names([x.dtype])} "
