@@ -52,6 +52,9 @@ SUITES = {
     "ascend-rs": "ascend-rs suite",
     "latency": "eager latency",
 }
+# Below a card's headline results: tuning sweeps and A/B runs, each file named by what it measures (op,
+# dtype, widths, rows, what was varied). They are linked, not tabulated.
+EVIDENCE = {"sweeps": "Tuning sweeps (`bench/tune_table.py`)", "ab": "A/B runs"}
 DTYPE_ORDER = ("bf16", "fp16", "fp32")
 KINDS = ("throughput", "latency", "workspace")
 MISSING = "–"
@@ -264,8 +267,25 @@ def rel(path: Path, out_dir: Path) -> str:
     return Path(os.path.relpath(path, out_dir)).as_posix()
 
 
-def _links(label: str, paths: list[Path], out_path: Path) -> str:
-    return f"{label}: " + ", ".join(f"[{p.name}]({rel(p, out_path.parent)})" for p in paths)
+def _links(label: str, paths: list[Path], card_dir: Path, out_path: Path) -> str:
+    return f"{label}: " + ", ".join(f"[{rel(p, card_dir)}]({rel(p, out_path.parent)})" for p in paths)
+
+
+def evidence_files(card_dir: Path) -> dict[str, list[Path]]:
+    """The files of each evidence folder of a card (:data:`EVIDENCE`), by folder name, those with files only."""
+    found = {}
+    for name in EVIDENCE:
+        files = sorted(p for p in (card_dir / name).rglob("*") if p.is_file())
+        if files:
+            found[name] = files
+    return found
+
+
+def _evidence_links(card_dir: Path, out_path: Path) -> list[str]:
+    out = []
+    for name, files in evidence_files(card_dir).items():
+        out += [_links(EVIDENCE[name], files, card_dir, out_path), ""]
+    return out
 
 
 def render(results_dir: Path = RESULTS_DIR, out_path: Path = RESULTS_MD) -> str:
@@ -280,7 +300,8 @@ def render(results_dir: Path = RESULTS_DIR, out_path: Path = RESULTS_MD) -> str:
         reports += sorted(card_dir.glob("*.md")) + sorted(card_dir.glob("*.log"))
         if not files:
             if reports:
-                out += [f"## `{rel(card_dir, out_path.parent)}/`", "", _links("Other runs", reports, out_path), ""]
+                out += [f"## `{rel(card_dir, out_path.parent)}/`", ""]
+                out += [_links("Other runs", reports, card_dir, out_path), ""] + _evidence_links(card_dir, out_path)
             continue
         gpus = sorted({r["gpu_name"] for f in files for r in json.loads(f.read_text())})
         out += [f"## {', '.join(gpus)} (`{rel(card_dir, out_path.parent)}/`)", ""]
@@ -291,9 +312,10 @@ def render(results_dir: Path = RESULTS_DIR, out_path: Path = RESULTS_MD) -> str:
             linked |= seen
         others = [p for p in sorted(card_dir.glob("*.png")) if p.name not in linked]
         if others:
-            out += [_links("Other plots", others, out_path), ""]
+            out += [_links("Other plots", others, card_dir, out_path), ""]
         if reports:
-            out += [_links("Other runs", reports, out_path), ""]
+            out += [_links("Other runs", reports, card_dir, out_path), ""]
+        out += _evidence_links(card_dir, out_path)
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -20,10 +20,13 @@ def test_results_md_is_up_to_date():
 
 
 def test_every_committed_file_is_linked():
+    """Each card's headline files, and every file of its sweeps/ and ab/ folders."""
     text = make_results.RESULTS_MD.read_text()
-    for path in sorted(make_results.RESULTS_DIR.glob("*/*")):
-        if path.suffix in (".json", ".png", ".md", ".log"):
-            assert f"(results/{path.parent.name}/{path.name})" in text, path
+    for card in sorted(p for p in make_results.RESULTS_DIR.iterdir() if p.is_dir()):
+        paths = [p for p in card.iterdir() if p.suffix in (".json", ".png", ".md", ".log")]
+        paths += [p for files in make_results.evidence_files(card).values() for p in files]
+        for path in paths:
+            assert f"({make_results.rel(path, make_results.RESULTS_MD.parent)})" in text, path
 
 
 def _point(provider: str, n: int, us: float, ok: bool = True) -> records.Point:
