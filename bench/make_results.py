@@ -1,12 +1,12 @@
-"""Writes ``bench/RESULTS.md`` from the committed results, ``bench/results/<gpu>/*.json``.
+"""Writes ``RESULTS.md`` (beside the README) from the committed results, ``bench/results/<gpu>/*.json``.
 
 For every card and every benchmark file: one table per op, suite and dtype of each provider's median GB/s
 with its share of the copy bandwidth measured in the same run (the layout of the README's benchmark
 tables), the eager-latency and dw-workspace tables where the file has them, and a link to each plot. The
 text depends on the JSON alone, so ``bench/test_make_results.py`` can tell when the two disagree.
 
-    python bench/make_results.py           # rewrite bench/RESULTS.md
-    python bench/make_results.py --check   # exit 1 (and write nothing) if bench/RESULTS.md is stale
+    python bench/make_results.py           # rewrite RESULTS.md
+    python bench/make_results.py --check   # exit 1 (and write nothing) if RESULTS.md is stale
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ except ImportError:  # run as a script: bench/ is on sys.path
     import bench_rmsnorm_backward
 
 RESULTS_DIR = base.BENCH_DIR / "results"
-RESULTS_MD = base.BENCH_DIR / "RESULTS.md"
+RESULTS_MD = base.REPO_ROOT / "RESULTS.md"
 # The script that writes each results file: its plots are named by the script's plot_stem(op, suite).
 SCRIPTS = {script.JSON_NAME: script for script in (bench_rmsnorm, bench_rmsnorm_backward)}
 SCRIPTS |= {name: bench_rmsnorm for name in bench_rmsnorm.SUITE_JSON.values()}

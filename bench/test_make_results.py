@@ -1,4 +1,4 @@
-"""bench/RESULTS.md against the committed JSON (no GPU needed): ``pytest bench/``."""
+"""RESULTS.md against the committed JSON (no GPU needed): ``pytest bench/``."""
 
 from __future__ import annotations
 
