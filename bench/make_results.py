@@ -44,12 +44,18 @@ OPS = {
     "full": "Forward + backward",
     "standalone": "Standalone backward",
     "autograd": "Backward (autograd.grad only)",
+    "fused_add_fwd": "Fused residual add, forward",
+    "fused_add_bwd": "Fused residual add, backward (autograd.grad only)",
+    "qk_fwd": "QK-norm, forward",
+    "qk_bwd": "QK-norm, backward (autograd.grad only)",
 }
 SUITES = {
     "grid": "",
-    "heldout": "held-out shapes (issue #14)",
+    "heldout": "held-out model shapes (never tuned on)",
     "large": "large hidden sizes",
     "ascend-rs": "ascend-rs suite",
+    "fused_add": 'mode "pre"',
+    "qk_norm": f"q of {base.QK_HEADS[0]} heads, k of {base.QK_HEADS[1]}",
     "latency": "eager latency",
 }
 # Below a card's headline results: tuning sweeps and A/B runs, each file named by what it measures (op,
@@ -133,9 +139,9 @@ def throughput_rows(recs: list[dict], providers: list[str]) -> list[list[str]]:
     return rows
 
 
-# Issue #14's host targets, per op of the latency tables: our eager call against torch's in the same run.
+# The host-time targets, per op of the latency tables: our eager call against torch's in the same run.
 HOST_TARGETS = {"forward": 1.0, "full": 1.1}
-HOST_TARGET_COLUMN = "cuTile ÷ torch (issue #14 target)"
+HOST_TARGET_COLUMN = "cuTile ÷ torch (target)"
 
 
 def host_target_cell(by: dict, target: float) -> str:

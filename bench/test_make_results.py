@@ -70,7 +70,7 @@ def test_check_mode(tmp_path):
 
 
 def test_latency_tables_judge_the_host_targets(tmp_path):
-    """The eager-latency tables carry issue #14's host targets: cuTile's time over torch's in the same run,
+    """The eager-latency tables carry the host-time targets: cuTile's time over torch's in the same run,
     at most 1.0x for the forward and 1.1x for the forward + backward, with the verdict."""
     meta = {"gpu_name": "Test GPU", "timestamp": "2030-01-02 03:04:05", "tilegym_rms_version": "9.9"}
     pts = []
