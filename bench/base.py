@@ -24,7 +24,7 @@ GRID_N = (1024, 2048, 4096, 5120, 7168, 8192, 16384)
 QUICK_M = (4096,)
 QUICK_N = (2048, 8192)
 
-# Issue #14's held-out shapes (bench/bench_rmsnorm.py --measure heldout): committed before tuning, never tuned on.
+# The held-out shapes (bench/bench_rmsnorm.py --measure heldout): committed before tuning, never tuned on.
 HELDOUT_FILE = BENCH_DIR / "heldout.json"
 
 EPS = 1e-6
@@ -63,7 +63,7 @@ FUSED_ADD_PROVIDERS_DEFAULT = (
     "quack",
 )
 
-# The held-out shapes run beside quack too (issue #14); it is skipped, with the reason, where it does not import.
+# The held-out shapes run beside quack too; it is skipped, with the reason, where it does not import.
 HELDOUT_PROVIDERS_DEFAULT = PROVIDERS_DEFAULT + ("quack",)
 
 # QK-norm (bench_rmsnorm.py --measure qk_norm): q of M rows in QK_HEADS[0] heads, k in QK_HEADS[1] (GQA).

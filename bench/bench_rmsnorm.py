@@ -22,8 +22,8 @@ JSON_NAME = "rms_norm.json"
 MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add", "qk_norm", "heldout")
 GRID_MEASURES = ("forward", "backward", "full")
 QUICK_DEFAULT_MEASURES = GRID_MEASURES
-# Issue #14's held-out shapes (bench/heldout.json, each with its own dtype): the grid measures' ops, in a file
-# of their own (the issue asks for bench/results/<gpu>/heldout*.json).
+# The held-out shapes (bench/heldout.json, each with its own dtype): the grid measures' ops, in a file of their
+# own (bench/results/<gpu>/heldout.json), which bench/heldout_report.py judges apart from the grid.
 HELDOUT_JSON_NAME = "heldout.json"
 SUITE_JSON = {"heldout": HELDOUT_JSON_NAME}
 
@@ -36,14 +36,14 @@ LARGE_N = (32768, 65536, 131072, 262144)
 QUICK_LATENCY_M = (1, 512)
 QUICK_ASCEND_RS = ((1, 4096), (1024, 4096))
 QUICK_LARGE_N = (32768, 131072)
-# The residual add fused with RMSNorm (issue #13), mode "pre": its own M x N grid unless --M/--N name one.
+# The residual add fused with RMSNorm, mode "pre": its own M x N grid unless --M/--N name one.
 FUSED_ADD_DTYPE = "bf16"
 FUSED_ADD_M = (4096, 32768)
 FUSED_ADD_N = (2048, 4096, 5120, 8192)
 QUICK_FUSED_ADD_M = (4096,)
 QUICK_FUSED_ADD_N = (2048, 8192)
 FUSED_ADD_OPS = ("fused_add_fwd", "fused_add_bwd")
-# QK-norm (issue #13): M rows of q (k has M/4: base.QK_HEADS) x head dim N, unless --M/--N name others.
+# QK-norm: M rows of q (k has M/4: base.QK_HEADS) x head dim N, unless --M/--N name others.
 QK_NORM_DTYPE = "bf16"
 QK_NORM_M = tuple(1 << e for e in range(14, 23, 2))
 QK_NORM_N = (64, 128, 256)
@@ -90,10 +90,10 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              qk_bwd  the forward graph is built OUTSIDE the timed region; the timed call is
                      torch.autograd.grad((yq, yk), (q, k, wq, wk), (dyq, dyk), retain_graph=True);
                      traffic = the backward of q and of k (read x, dy, w, rstd; write dx, dw).
-  heldout    issue #14's held-out shapes: forward, backward and full (as above) on exactly the (M, N, dtype)
+  heldout    the held-out shapes: forward, backward and full (as above) on exactly the (M, N, dtype)
              shapes of bench/heldout.json, which no tuning run may use (--dtype/--M/--N do not apply);
              default providers add quack. Written to <out>/heldout.json, not rms_norm.json;
-             bench/heldout_report.py reads it against issue #14's targets.
+             bench/heldout_report.py reads it against the performance targets.
   An explicit --dtype also applies to latency, ascend-rs, large, fused_add and qk_norm; --M/--N only to the
   grid measures, fused_add and qk_norm.
 
@@ -211,7 +211,7 @@ TITLES = {
     "large": "RMSNorm large hidden sizes",
     "fused_add": "Residual add + RMSNorm (mode pre)",
     "qk_norm": "QK-norm (q and k per head)",
-    "heldout": "RMSNorm held-out shapes (issue #14)",
+    "heldout": "RMSNorm held-out shapes",
 }
 OP_TITLES = {
     "fused_add_fwd": "forward",

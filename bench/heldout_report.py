@@ -1,4 +1,4 @@
-"""Issue #14's targets on the held-out shapes (and, with ``--grid``, on the grid): ours against the best peer.
+"""The performance targets on the held-out shapes (and, with ``--grid``, on the grid): ours against the best peer.
 
     python bench/heldout_report.py                         # bench/results/h100/heldout.json
     python bench/heldout_report.py --grid                  # plus the rms_norm.json beside it
@@ -8,11 +8,11 @@
 
 Per shape and op: ours (tilegym_rms-cutile) in GB/s with its share of the copy bandwidth measured in the same
 run, the best peer (every provider that is not one of tilegym_rms's: torch, torch.compile, Liger, TileGym,
-quack), their ratio, and each target of issue #14: where M*N >= 2^22, forward >= 0.98x and backward >= 1.0x the
+quack), their ratio, and each performance target: where M*N >= 2^22, forward >= 0.98x and backward >= 1.0x the
 best peer; where M*N >= 2^25, >= 92% of the copy bandwidth (forward and backward; full is shown, not judged).
 A target is "n/a" below its size or for an op it does not name, "no data" where ours or every peer is absent;
 a failed float64 check of ours ('!') misses it. Expected peers that are absent are listed. With --baseline,
-the issue's last target too: no shape of both runs may lose more than 2% of ours' share of the copy bandwidth
+the last target too: no shape of both runs may lose more than 2% of ours' share of the copy bandwidth
 (the share, not GB/s, so that two runs' cards and copy figures may differ a little). A report, not a gate:
 the exit code is 0 whatever the numbers say.
 """

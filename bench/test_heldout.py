@@ -1,4 +1,4 @@
-"""The held-out shapes of issue #14 (bench/heldout.json): what makes them held out is checked here."""
+"""The held-out shapes (bench/heldout.json): what makes them held out is checked here."""
 
 import json
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""bench/heldout_report.py's verdicts on issue #14's targets, on made-up records (no GPU needed)."""
+"""bench/heldout_report.py's verdicts on the performance targets, on made-up records (no GPU needed)."""
 
 from __future__ import annotations
 

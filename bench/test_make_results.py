@@ -1,8 +1,9 @@
-"""bench/RESULTS.md against the committed JSON (no GPU needed): ``pytest bench/``."""
+"""RESULTS.md against the committed JSON (no GPU needed): ``pytest bench/``."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -20,10 +21,13 @@ def test_results_md_is_up_to_date():
 
 
 def test_every_committed_file_is_linked():
+    """Each card's headline files, and every file of its sweeps/ and ab/ folders."""
     text = make_results.RESULTS_MD.read_text()
-    for path in sorted(make_results.RESULTS_DIR.glob("*/*")):
-        if path.suffix in (".json", ".png", ".md", ".log"):
-            assert f"(results/{path.parent.name}/{path.name})" in text, path
+    for card in sorted(p for p in make_results.RESULTS_DIR.iterdir() if p.is_dir()):
+        paths = [p for p in card.iterdir() if p.suffix in (".json", ".png", ".md", ".log")]
+        paths += [p for files in make_results.evidence_files(card).values() for p in files]
+        for path in paths:
+            assert f"({make_results.rel(path, make_results.RESULTS_MD.parent)})" in text, path
 
 
 def _point(provider: str, n: int, us: float, ok: bool = True) -> records.Point:
@@ -67,7 +71,7 @@ def test_check_mode(tmp_path):
 
 
 def test_latency_tables_judge_the_host_targets(tmp_path):
-    """The eager-latency tables carry issue #14's host targets: cuTile's time over torch's in the same run,
+    """The eager-latency tables carry the host-time targets: cuTile's time over torch's in the same run,
     at most 1.0x for the forward and 1.1x for the forward + backward, with the verdict."""
     meta = {"gpu_name": "Test GPU", "timestamp": "2030-01-02 03:04:05", "tilegym_rms_version": "9.9"}
     pts = []
@@ -84,3 +88,42 @@ def test_latency_tables_judge_the_host_targets(tmp_path):
     assert f"| M × N | cuTile | torch | {make_results.HOST_TARGET_COLUMN} |" in text
     assert "| 64 × 4096 | 20.0 | 18.0 | 1.11× (≤ 1.00×: missed) |" in text
     assert "| 64 × 4096 | 110.0 | 100.0 | 1.10× (≤ 1.10×: met) |" in text
+
+
+def test_summary_is_ours_against_the_best_peer(tmp_path):
+    """Per op: ours over the fastest peer at each shape (our other backends are not peers, a point that failed
+    its check and the ascend-rs suite are left out), the median and range, the shapes at or above it, ours'
+    share of the copy bandwidth and the best peers; an op the card lacks says so."""
+    meta = {
+        "gpu_name": "Test GPU",
+        "timestamp": "2030-01-02 03:04:05",
+        "tilegym_rms_version": "9.9",
+        "copy_bandwidth_GBps": 1000.0,
+    }
+    # n: (ours, liger, quack, triton) in µs; quack failed its check at 2048, where it would have been fastest.
+    times = {1024: (20.0, 40.0, 25.0, 10.0), 2048: (50.0, 40.0, 30.0, 50.0), 4096: (40.0, 40.0, 50.0, 50.0)}
+    pts = []
+    for n, row in times.items():
+        for provider, us in zip(("tilegym_rms-cutile", "liger", "quack", "tilegym_rms-triton"), row, strict=True):
+            pts.append(_point(provider, n, us, ok=not (provider == "quack" and n == 2048)))
+    for provider, us in (("tilegym_rms-cutile", 100.0), ("liger", 1.0)):
+        extra = {"M": 1, "N": 768, "dtype": "fp32", "suite": "ascend-rs"}
+        p = records.Point(
+            "rms_norm", "forward", "ascend-rs", provider, "fp32", 1, 768, "shape", "M x N", "1x768", extra
+        )
+        p.us, p.nbytes, p.errs, p.ok = [us] * 3, traffic.forward_bytes(1, 768, 4), {"y": 1e-6}, True
+        pts.append(p)
+    card = tmp_path / "results" / "test"
+    card.mkdir(parents=True)
+    (card / "rms_norm.json").write_text(json.dumps(records.build_records(pts, meta)))
+    text = make_results.render(tmp_path / "results", tmp_path / "RESULTS.md")
+
+    # Same bytes per shape for every provider: ours / best peer is the best peer's time over ours.
+    ratios = [25.0 / 20.0, 40.0 / 50.0, 40.0 / 40.0]
+    shares = [traffic.gbps(traffic.forward_bytes(4096, n, 2), row[0]) / 10 for n, row in times.items()]
+    share = f"{statistics.median(shares):.0f}% ({min(shares):.0f}–{max(shares):.0f}%)"
+    summary = text[text.index("## Summary") : text.index("## How the tables")]
+    assert "### Test GPU (`results/test/`)" in summary and "Peers: Liger, quack. Copy bandwidth 1000 GB/s." in summary
+    row = f"| Forward | 3 (bf16) | 1.00× ({min(ratios):.2f}–{max(ratios):.2f}×) | 2 of 3 | {share} | Liger 2, quack 1 |"
+    assert row in summary
+    assert "| Forward + backward | not measured on this card |" in summary
