@@ -297,7 +297,7 @@ def _signature(v: Variant, as_launched: bool = False):
     """The variant's signature with no assumption on its arrays beyond their rank and dtype (the compile
     check's), or ``as_launched``: what a launch derives from contiguous tensors whose rows are 16-byte aligned
     (every hidden size that is a multiple of 8 in 16-bit, 4 in fp32). Only that build can use TMA, so it is the
-    one the GPU runs for such shapes; its registers and shared memory differ (bench/NOTES.md, experiment 51)."""
+    one the GPU runs for such shapes; its registers and shared memory differ (PERFORMANCE.md, "Toolchain")."""
     import cuda.tile as ct
     from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 

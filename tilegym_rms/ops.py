@@ -144,7 +144,7 @@ def _wiring_fingerprint() -> str:
 
 # torch's AOTAutograd cache keys a compiled graph on the Dynamo graph, which names the forward ops, but not
 # on the backward registered for them: a cached backward of an older version of this file was reused with
-# a newer op signature and gave wrong gradients (bench/NOTES.md, experiment 24). The forward ops take
+# a newer op signature and gave wrong gradients (PERFORMANCE.md, "Host path"). The forward ops take
 # this fingerprint of the file as an argument, so that the graph, and the cache key, change with it.
 WIRING = _wiring_fingerprint()
 

@@ -177,7 +177,7 @@ def _forward(x, residual, res_out, weight, eps, offset, casting_mode, store_rstd
     dev = x.get_device()
     plan = _forward_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, add)
     y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
-    # Sizes as separate ints: torch parses them faster than a tuple (bench/NOTES.md, experiment 41).
+    # Sizes as separate ints: torch parses them faster than a tuple (PERFORMANCE.md, "Host path").
     rstd = torch.empty(m, dtype=torch.float32, device=x.device) if plan.allocates_rstd else None
     x = _plain(x)
     # Without rstd the kernel stores none, without the add it reads no residual and writes no sum: y and x

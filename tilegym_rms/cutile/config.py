@@ -6,8 +6,8 @@ Kept apart from the kernels so that tuning never touches kernel code. A choice i
 turned into a launch configuration for one ``(M, N)`` by :func:`build_forward` / :func:`build_backward`.
 The candidate comes from the device's tuning table (:mod:`.tuning`) where it has an entry, else from the
 analytic heuristics, pure functions of ``(M, N, dtype, num_sms)`` whose parameters are the fields of
-:class:`Heuristics` (fitted on H100/H200 with ``bench/tune_cutile.py``; ``bench/NOTES.md`` has each
-experiment). Tiles and hints come from M's power-of-two bucket (the host passes the bucket and caches the
+:class:`Heuristics` (fitted on H100/H200 with ``bench/tune_cutile.py``; ``PERFORMANCE.md`` has the
+measurements). Tiles and hints come from M's power-of-two bucket (the host passes the bucket and caches the
 result per device, M, N, dtype and kernel), so a new M compiles nothing new. Tile shapes are powers of two."""
 
 from __future__ import annotations
@@ -29,21 +29,23 @@ class Heuristics:
     ``bench/sanitize.py`` run with other values through :func:`override`."""
 
     # Widest row kept in registers as one tile; wider rows take the column-chunked kernels. A whole row per
-    # block streams faster than chunks that read it twice (experiments 10, 17). The persistent forward takes
-    # tiles up to fwd_max_persistent_tile_n (wider rows always take the gather kernel, see gather_min_n).
+    # block streams faster than chunks that read it twice (PERFORMANCE.md, "Wide rows"). The persistent
+    # forward takes tiles up to fwd_max_persistent_tile_n (wider rows always take the gather kernel, see
+    # gather_min_n).
     fwd_max_single_tile_n: int = 32768
     fwd_max_persistent_tile_n: int = 16384
     bwd_max_single_tile_n: int = 16384
     # Column chunk of the chunked kernels and rows per chunked backward tile: enough bytes in flight per
-    # block, while few rows in flight keep a row's second read in L2 (experiment 17).
+    # block, while few rows in flight keep a row's second read in L2 (PERFORMANCE.md, "Wide rows").
     fwd_chunk_n: int = 16384
     bwd_chunk_n: int = 4096
     bwd_chunk_tile_m: int = 4
     # Elements per tile that the forward / backward aim for (enough bytes in flight per block; wide
-    # backward tiles take two rows per step, narrow ones lose with bigger tiles: experiments 7, 11).
+    # backward tiles take two rows per step, narrow ones lose with bigger tiles: PERFORMANCE.md, "Forward"
+    # and "Backward").
     fwd_tile_elems: int = 16384
     # The persistent forward holds rows as a tile plus a tail tile (see split_row) once the padded tile
-    # would be this wide: narrower rows lost with the split (experiment 18).
+    # would be this wide: narrower rows lost with the split (PERFORMANCE.md, "Forward").
     fwd_split_min_tile_n: int = 16384
     bwd_narrow_tile_elems: int = 8192
     bwd_wide_tile_elems: int = 16384
@@ -52,7 +54,7 @@ class Heuristics:
     # narrow rows (at most narrow_max_row padded columns) and wide ones: ``occupancy``, the blocks per SM
     # the compiler sizes its registers for, and ``num_worker_warps``, the warps of one block (0: the
     # compiler's choice). Left to itself the compiler built narrow tiles for too few blocks, while wide
-    # tiles lose when forced to share an SM (experiment 6).
+    # tiles lose when forced to share an SM (PERFORMANCE.md, "Forward" and "Backward").
     narrow_max_row: int = 6144  # widest row (padded: tile plus tail tile) of the narrow class
     fwd_narrow_blocks_per_sm: int = 2
     fwd_narrow_occupancy: int = 2
@@ -61,25 +63,28 @@ class Heuristics:
     fwd_wide_occupancy: int = 0
     fwd_wide_worker_warps: int = 0
     # Rows of at most 1024 columns: more blocks per SM, still built for occupancy 2 (the extra blocks
-    # queue and hide the short rows' latency; experiments 15, 18).
+    # queue and hide the short rows' latency; PERFORMANCE.md, "Forward").
     fwd_tiny_tile_n: int = 1024
     fwd_tiny_blocks_per_sm: int = 8
     # Short 16-bit rows (at most fwd_short_max_row padded columns: head dims, QK-norm through the plain
     # norm) are latency-bound per tile: the forward gains most from an occupancy hint that lets more blocks
     # stay resident (fwd_short_occupancy, by the widest padded row it applies to), and from fwd_short_many_m
-    # rows on from about one row tile per block (experiment 32). Measured on bf16 and fp16 only.
+    # rows on from about one row tile per block (PERFORMANCE.md, "Narrow rows"). Measured on bf16 and fp16
+    # only.
     fwd_short_max_row: int = 256
     fwd_short_occupancy: tuple[tuple[int, int], ...] = ((64, 8), (256, 4))
     fwd_short_many_m: int = 1 << 20
     fwd_short_many_blocks_per_sm: int = 128
     # Backward rows of at most bwd_short_max_row padded columns take bwd_short_tile_m rows per tile (more
-    # than max_tile_m: x and dy of one such tile are only a few KB; experiments 26 and 32, every dtype).
+    # than max_tile_m: x and dy of one such tile are only a few KB; every dtype: PERFORMANCE.md, "Narrow
+    # rows").
     bwd_short_max_row: int = 128
     bwd_short_tile_m: int = 32
     # Persistent backward tiles of more than one row and at most this many columns (tile plus tail) keep dw
     # as one fp32 accumulator per tile row (kernels.DW_PER_ROW), summed once at the end rather than summed
     # over the tile's rows at every step; 0: never. From bwd_dw_per_row_many_m rows on, rows narrower than
-    # bwd_dw_per_row_many_m_min_row sum each tile at once again, which measured faster there (experiment 43).
+    # bwd_dw_per_row_many_m_min_row sum each tile at once again, which measured faster there (PERFORMANCE.md,
+    # "dw partials and the reduction").
     bwd_dw_per_row_max_row: int = 512
     bwd_dw_per_row_many_m: int = 1 << 21
     bwd_dw_per_row_many_m_min_row: int = 128
@@ -87,29 +92,29 @@ class Heuristics:
     bwd_narrow_occupancy: int = 2
     bwd_narrow_worker_warps: int = 0
     # Wide backward tiles (up to 16384 columns of x and dy in registers) spill without 8 warps
-    # (experiment 10).
+    # (PERFORMANCE.md, "Wide rows").
     bwd_wide_blocks_per_sm: int = 1
     bwd_wide_occupancy: int = 1
     bwd_wide_worker_warps: int = 8
     # The forward uses the gather kernel (one row per block) while M is at most this many rows per SM:
     # a block per row spreads few rows widest, and the inference forward then skips the rstd allocation
-    # (experiment 18).
+    # (PERFORMANCE.md, "Forward").
     gather_max_rows_per_sm: int = 4
     # From gather_preferred_min_m rows on, rows of gather_preferred_min_n to gather_preferred_max_n columns
-    # take the gather kernel (experiments 13, 18); narrower rows and single waves stay persistent, wider
-    # ones below gather_min_n (e.g. 12288) keep the split persistent tile.
+    # take the gather kernel (PERFORMANCE.md, "Forward"); narrower rows and single waves stay persistent,
+    # wider ones below gather_min_n (e.g. 12288) keep the split persistent tile.
     gather_preferred_min_n: int = 2048
     gather_preferred_max_n: int = 8192
     # ...except 16-bit rows that fill less than this share of their padded tile (bf16 5120): with the
-    # gather kernel their speed varied between processes (experiment 18).
+    # gather kernel their speed varied between processes (PERFORMANCE.md, "Forward").
     gather_preferred_min_fill_16bit: float = 0.75
     gather_preferred_min_m: int = 16384
-    # From this row width on the gather kernel is used at every M (experiment 18); padded widths below it
-    # stay persistent, where the split tile wins.
+    # From this row width on the gather kernel is used at every M (PERFORMANCE.md, "Forward"); padded widths
+    # below it stay persistent, where the split tile wins.
     gather_min_n: int = 16384
     # Compiler hints of the gather kernel, ``(occupancy, num_worker_warps)`` (0: the compiler's choice),
     # by the widest single tile they apply to. Its blocks are short-lived, so several per SM keep rows in
-    # flight, as many as the registers of a whole row allow (experiments 13, 17, 18).
+    # flight, as many as the registers of a whole row allow (PERFORMANCE.md, "Forward" and "Wide rows").
     gather_single_tile_hints: tuple[tuple[int, int, int], ...] = (
         (2048, 8, 0),
         (4096, 8, 8),
@@ -122,8 +127,8 @@ class Heuristics:
     # Few rows (at most this many per SM) of at most bwd_direct_max_tile_n padded columns: the backward is one
     # launch, rms_norm_bwd_direct, whose extra blocks sum dw strips over all rows, instead of the persistent
     # kernel, a partial buffer and the reduction; wider rows lost, the strips' M-row walk being the long
-    # pole (experiment 21). Strips: at least one per SM where N allows, and about bwd_direct_strip_elems
-    # elements of x and of dy per step.
+    # pole (PERFORMANCE.md, "Backward", "Plans"). Strips: at least one per SM where N allows, and about
+    # bwd_direct_strip_elems elements of x and of dy per step.
     bwd_direct_max_rows_per_sm: int = 4
     bwd_direct_max_tile_n: int = 4096
     bwd_direct_min_strip_n: int = 16
@@ -142,16 +147,16 @@ class Heuristics:
     # QK-norm (qk_rms_norm): head dims are short (64-256), so the whole head is one tile (TILE_N =
     # next_pow2(D)) and a tile holds many rows. Widest head dim the one-tile qk kernels serve.
     qk_max_tile_n: int = 1024
-    # Elements per tile, forward and backward: the plain norm's narrow-row sizes (experiments 7, 11),
-    # whose best tiles carried 16384 (forward) and 8192 (backward: x and dy live) elements.
+    # Elements per tile, forward and backward: the plain norm's narrow-row sizes, whose best tiles carried
+    # 16384 (forward) and 8192 (backward: x and dy live) elements (PERFORMANCE.md, "Forward" and "Backward").
     qk_fwd_tile_elems: int = 16384
     qk_bwd_tile_elems: int = 8192
     # Fewest rows per tile: below it a tile's loads are too short to hide latency; above qk_max_tile_m the
     # row reductions of one tile get long for no more bytes in flight (256 rows of 64 bf16 = 32 KB).
     qk_min_tile_m: int = 16
     qk_max_tile_m: int = 256
-    # Blocks per SM and occupancy: the plain norm's settings for rows of at most 1024 columns (forward,
-    # experiment 15) and for narrow backward rows (experiments 6, 15).
+    # Blocks per SM and occupancy: the plain norm's settings for rows of at most 1024 columns (forward) and for
+    # narrow backward rows (PERFORMANCE.md, "Forward" and "Backward").
     qk_fwd_blocks_per_sm: int = 8
     qk_fwd_occupancy: int = 2
     qk_bwd_blocks_per_sm: int = 2
@@ -267,7 +272,7 @@ def _strip_width(n: int, num_sms: int, narrowest: int, widest: int) -> int:
 def split_row(n: int) -> tuple[int, int]:
     """``(TILE_N, TAIL_N)``: a row as one power-of-two tile, or as a tile plus a narrower power-of-two tail
     when that is narrower than the single padded tile (5120 = 4096 + 1024, 6144 = 4096 + 2048, 12288 =
-    8192 + 4096; 7168 stays 8192): fewer padded columns to load and reduce (experiment 12)."""
+    8192 + 4096; 7168 stays 8192): fewer padded columns to load and reduce (PERFORMANCE.md, "Backward")."""
     head = prev_pow2(n)
     tail = next_pow2(n - head) if n > head else 0
     return (head, tail) if head + tail < next_pow2(n) else (next_pow2(n), 0)

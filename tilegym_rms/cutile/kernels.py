@@ -10,7 +10,7 @@ product or a dw column. Compile-time constants:
 * ``STORE_RSTD`` (gather forward): False when no backward will follow (inference); ``rstd`` is then a
   dummy (the output ``y``), which spares the host an allocation per call. The persistent forward
   always stores rstd, fused add included: without the store its fp32 code ran 5-8% slower
-  (bench/NOTES.md, experiment 16), and at the sizes it serves the allocation does not matter.
+  (PERFORMANCE.md, "Forward"), and at the sizes it serves the allocation does not matter.
 * ``ADD`` (forward): the fused residual add, :data:`ADD_NONE`, :data:`ADD_PRE` or :data:`ADD_POST`. The
   kernel normalizes ``s = x + residual``, summed in fp32 and rounded to ``residual``'s dtype (exactly
   :func:`tilegym_rms.reference.fused_add_sum`); the casting mode rounds in that dtype and ``y`` gets

@@ -18,7 +18,7 @@ def num_sms(device_index: int) -> int:
 
 def _raw_stream(device_index: int):
     """The current stream of a device as the raw handle ``ct.launch`` accepts: a C-level lookup, a
-    few microseconds cheaper per launch than building a ``torch.cuda.Stream`` object (bench/NOTES.md)."""
+    few microseconds cheaper per launch than building a ``torch.cuda.Stream`` object (PERFORMANCE.md, "Host path")."""
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 

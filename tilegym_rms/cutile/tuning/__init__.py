@@ -522,7 +522,7 @@ def _add_one_block_builds(add, out: list, kind: str) -> None:
     """The wide set's one-block-per-SM builds of each persistent tile shape in ``out`` that leaves the warps to
     the compiler: with eight warps, and with the compiler's warps at occupancy 1. As launched on aligned rows the
     compiler stages row tiles in a ring of shared memory sized by the occupancy hint: at occupancy 1 about five
-    32 KB tiles, at occupancy 2 three, at 4 one (bench/NOTES.md, experiment 51), so these are the builds with
+    32 KB tiles, at occupancy 2 three, at 4 one (PERFORMANCE.md, "Toolchain"), so these are the builds with
     the most of a block's own loads in flight."""
     shapes = {(c.tile_m, c.tile_n, c.tail_n): c for c in out if getattr(c, kind) == "persistent"}
     for c in shapes.values():
