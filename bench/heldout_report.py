@@ -2,7 +2,7 @@
 
     python bench/heldout_report.py                         # bench/results/h100/heldout.json
     python bench/heldout_report.py --grid                  # plus the rms_norm.json beside it
-    python bench/heldout_report.py PATH --grid OTHER.json --markdown   # a table for bench/NOTES.md
+    python bench/heldout_report.py PATH --grid OTHER.json --markdown   # a table for PERFORMANCE.md
     git show REV:bench/results/h100/rms_norm.json > /tmp/old.json
     python bench/heldout_report.py --grid --baseline /tmp/old.json    # plus: what regressed since REV
 
@@ -230,7 +230,7 @@ def load(paths: list[Path]) -> list[dict]:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            print(f"{path}: not read ({exc}); bench/NOTES.md says how to run the held-out measure", file=sys.stderr)
+            print(f"{path}: not read ({exc}); PERFORMANCE.md says how to run the held-out measure", file=sys.stderr)
             continue
         recs += data if isinstance(data, list) else []
     return recs
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also judge the grid shapes of this results file (alone: the rms_norm.json beside RESULTS)",
     )
-    parser.add_argument("--markdown", action="store_true", help="a Markdown table and list, for bench/NOTES.md")
+    parser.add_argument("--markdown", action="store_true", help="a Markdown table and list, for PERFORMANCE.md")
     parser.add_argument(
         "--baseline", nargs="+", type=Path, help="earlier results files: list the shapes that regressed since"
     )

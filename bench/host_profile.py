@@ -229,8 +229,8 @@ def launch_then_grad(m, n, dtype, device, calls: int) -> list[tuple[str, float]]
 
 
 def graph_replay(m, n, dtype, device, calls: int) -> list[tuple[str, float]]:
-    """The pieces of a launch replayed from a CUDA graph captured once per set of tensor addresses (the
-    experiment of bench/NOTES.md's open gap on the host path), beside the bare ``ct.launch`` it would
+    """The pieces of a launch replayed from a CUDA graph captured once per set of tensor addresses
+    (PERFORMANCE.md, "Host path": tried, not shipped), beside the bare ``ct.launch`` it would
     replace: the graph launch through torch and through the driver, and the per-call key and capture check."""
     import cuda.tile as ct
 

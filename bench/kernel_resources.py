@@ -5,13 +5,13 @@ per thread block, from the cubin (``cuobjdump -res-usage``). Needs no GPU, only 
 analytic heuristics' with ``--analytic`` or where no table ships for that class.
 
 A kernel that needs more than 255 registers a thread, or shows a stack, spills to local memory: the first
-thing to look at when a variant streams below the copy bandwidth (bench/NOTES.md, experiments 10 and 17).
+thing to look at when a variant streams below the copy bandwidth (PERFORMANCE.md, "Wide rows").
 
 Each variant is compiled as a launch specializes it for contiguous tensors with 16-byte aligned rows
 (``aot.cubin(..., as_launched=True)``): that build loads through TMA into a ring of shared-memory stages and
 splits its warps, so its registers, stack and shared memory differ from the build without those assumptions.
 ``--generic`` reports that other build instead; it is the one the compile check builds, and the one a launch
-makes for rows that are not 16-byte aligned (experiment 51).
+makes for rows that are not 16-byte aligned (PERFORMANCE.md, "Toolchain").
 
     python bench/kernel_resources.py --shapes 32768x4096,4096x16384,4096x32768 --dtype bf16
 """

@@ -1,4 +1,4 @@
-"""One call of each provider per shape, for Nsight Compute to profile side by side (bench/NOTES.md, experiment 52).
+"""One call of each provider per shape, for Nsight Compute to profile side by side (PERFORMANCE.md, "Forward").
 
 Every provider is first run twice outside the profiled range (compiles, autotuning, torch.compile's graph), its
 outputs checked against float64 math, and then called once between ``cudaProfilerStart`` and

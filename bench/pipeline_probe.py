@@ -1,5 +1,5 @@
 """Probe: does loading the next row tile before reducing this one, or loading without TMA, speed up the
-persistent kernels? (bench/NOTES.md, experiment 47.)
+persistent kernels? (PERFORMANCE.md, "Toolchain".)
 
 The product's persistent loops issue a row tile's loads only when they reach it, and its loads may use
 TMA. This probe runs the same loops (plain forward, llama cast, weight; backward with weight, no tail) with

@@ -254,7 +254,7 @@ class Session:
     ) -> list[records.Point]:
         """Wall-clock microseconds per eager call (host + device) for small shapes. The providers of one M
         take turns, one repetition each: a busy stretch of a shared host then slows every provider alike
-        instead of whichever ran during it (bench/NOTES.md, experiment 41)."""
+        instead of whichever ran during it (PERFORMANCE.md, "How to measure")."""
         points = []
         total = len(ms) * len(self.providers)
         idx = 0

@@ -8,7 +8,7 @@ values is applied in turn (the host-side caches are cleared between combinations
 sum of its kernels' device time (torch.profiler, as the benchmarks do) over inputs rotating through more
 than 4x the L2 cache. ``--breakdown`` also prints the per-kernel device time of each combination, to see
 e.g. how much of a backward the dw reduction takes. Prints one table; the winners go into
-``config.Heuristics`` with a note in ``bench/NOTES.md``.
+``config.Heuristics`` with their measurements in ``PERFORMANCE.md``.
 
     python bench/tune_cutile.py --op backward --shapes 4096x2048 --set bwd_narrow_blocks_per_sm=1,2 --breakdown
     python bench/tune_cutile.py --op forward --shapes 4096x1024 --set fwd_narrow_occupancy=0,2,4

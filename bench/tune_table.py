@@ -21,8 +21,8 @@ so an interrupted sweep resumes with ``--merge`` on its own output: points alrea
         --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # the analytic table, no GPU
 
 ``--after-forward`` times each backward candidate after the forward the device's table launches, as a training
-step runs them: a backward can win alone and lose there (bench/NOTES.md, experiment 46). Its runs record
-``"timed"`` and the GB/s of the pair.
+step runs them: a backward can win alone and lose there (PERFORMANCE.md, "Backward", "In the training step").
+Its runs record ``"timed"`` and the GB/s of the pair.
 
 An overlay keeps a bucket's winner unless the sweep timed it and beat it by ``--min-gain`` (``tuning.overlay``).
 The sweep's key is the device's (``tuning.device_key``): an H200's is ``sm90_132sm.nvidia-h200``, so its sweep
@@ -44,9 +44,9 @@ head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile
 ``--wide`` times more candidates per point (``tuning.candidates(wide=True)``: occupancy hints of 2x and 4x,
 half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, builds of
 each persistent tile at one block per SM with eight warps and at occupancy 1 (the deepest ring of TMA load
-stages, experiment 51), the plain norm's choice for qk): about twice
-the compiles and several times the timings, so it is meant for few widths at a time (``--plan`` estimates a
-sweep's size and time; bench/NOTES.md, experiments 43 and 46, have some).
+stages, PERFORMANCE.md, "Toolchain"), the plain norm's choice for qk): about twice the compiles and several
+times the timings, so it is meant for few widths at a time (``--plan`` estimates a sweep's size and time;
+PERFORMANCE.md, "Tuning tables", has some).
 
 Shapes above ``MAX_ELEMENTS`` are not timed (their M run is the one below: the floor rule of the schema).
 The tool lives in bench/ because it needs the benchmarks' timer; the package holds the table format,
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--after-forward",
         action="store_true",
         help="backward: time each candidate after the forward the device's table launches, as a training step "
-        "runs it; the run's GB/s are then the forward + backward's (bench/NOTES.md, experiment 46)",
+        "runs it; the run's GB/s are then the forward + backward's (PERFORMANCE.md, 'In the training step')",
     )
     parser.add_argument("--plan", action="store_true", help="print the counts and the time estimate; no GPU")
     parser.add_argument("--analytic", action="store_true", help="write the analytic heuristics' table; no GPU")
