@@ -157,8 +157,8 @@ def test_reduce_config_fills_the_sms_and_covers_n(n):
 
 
 def test_compiler_hints_follow_the_tile_width(host):
-    """Narrow tiles get the occupancy hint; wide backward tiles one block per SM with 8 warps (NOTES
-    experiments 6 and 10); a zero constant sets no hint."""
+    """Narrow tiles get the occupancy hint; wide backward tiles one block per SM with 8 warps (PERFORMANCE.md,
+    "Backward" and "Wide rows"); a zero constant sets no hint."""
     narrow_f = fwd(host, 8192, 4096)  # persistent: bucket 8192 is below GATHER_PREFERRED_MIN_M
     assert narrow_f.kernel == "persistent" and narrow_f.hints == (
         ("occupancy", config.HEURISTICS.fwd_narrow_occupancy),
@@ -178,7 +178,7 @@ def test_compiler_hints_follow_the_tile_width(host):
 
 
 def test_short_16bit_rows_get_more_resident_blocks_and_short_backward_rows_taller_tiles(host):
-    """Head-dim rows (NOTES experiment 32): the forward of 16-bit rows up to 256 padded columns raises the
+    """Head-dim rows (PERFORMANCE.md, "Narrow rows"): the forward of 16-bit rows up to 256 padded columns raises the
     occupancy hint (8 up to 64 columns, 4 up to 256) and from 2^20 rows launches about one row tile per
     block; fp32 and wider rows keep the narrow class. Backward rows up to 128 padded columns take 32 rows."""
     p = config.HEURISTICS

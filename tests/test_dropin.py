@@ -472,8 +472,8 @@ CACHED_STEP = """
 
 
 def test_compile_cache_does_not_reuse_the_backward_of_another_version(tmp_path):
-    """A compiled backward cached by one version of ops.py must not serve another (bench/NOTES.md,
-    experiment 24): two copies of the package, the second with a backward that doubles dx, share
+    """A compiled backward cached by one version of ops.py must not serve another (PERFORMANCE.md,
+    "Host path"): two copies of the package, the second with a backward that doubles dx, share
     one Inductor cache; the second must get doubled gradients."""
     import shutil
 

@@ -159,7 +159,8 @@ def test_overlay_keeps_the_heuristics_switches_and_applies_measured_winners():
 def test_overlay_keeps_the_bases_measurements_nearer_than_the_sweeps():
     """The base measured M bucket 2**20, the sweep 2**15: the sweep's winner holds from 2**15 up to 2**19
     (the base chose the same there as at 2**15), the base's measured run from 2**20 on, timings and all.
-    (A sweep at 2**15 once replaced a 2**20 measurement and slowed 2**21 rows by 8%: NOTES experiment 42.)"""
+    (A sweep winner at 2**15 that replaced a 2**20 measurement slowed 2**21 rows by 8%: PERFORMANCE.md, "Tuning
+    tables".)"""
     sms, n, dtype = 132, 64, torch.float16
     base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), sms, "test")
     analytic = asdict(config.forward_candidate(1 << 15, n, dtype, sms, "persistent"))
@@ -433,7 +434,7 @@ def test_merge_and_write(tmp_path):
 
 def test_a_sweep_on_another_card_of_the_same_key_is_refused(tune_table, tmp_path):
     """An H200 has an H100 SXM's key (sm90, 132 SMs): its sweep must not be merged or overlaid into the H100's
-    shipped table (bench/NOTES.md, experiment 45). The tool refuses it; the same card's sweep still lands."""
+    shipped table (PERFORMANCE.md, "Tuning tables"). The tool refuses it; the same card's sweep still lands."""
     cand = config.ForwardCandidate("persistent", 8, 2048, 0, 4, 2, 0)
     shipped_doc = shipped()["sm90_132sm"]
     sweeps = {}
@@ -831,7 +832,7 @@ def test_wide_forward_candidates_try_a_padded_row_as_tile_and_tail(n, split):
 def test_wide_candidates_build_each_persistent_tile_at_one_block_per_sm(op, n):
     """Every persistent tile shape the wide set times with the compiler's warps is also timed at one block per
     SM, with eight warps and with the compiler's warps at occupancy 1 (the deepest ring of load stages as
-    launched, experiment 51); the quick set has neither."""
+    launched, PERFORMANCE.md, "Toolchain"); the quick set has neither."""
     kind = "kernel" if op == "forward" else "plan"
     wide = tuning.candidates(op, 32768, n, BF16, SMS, wide=True)
     quick = tuning.candidates(op, 32768, n, BF16, SMS)
@@ -862,8 +863,8 @@ def _backward_sweep_over(incumbent_gbps: float, challenger_gbps: float, min_gain
 @pytest.mark.parametrize("gain, kept", [(1.004, True), (1.009, True), (1.011, False), (1.05, False), (0.99, True)])
 def test_overlay_keeps_the_incumbent_unless_the_sweep_beats_it_by_min_gain(gain, kept):
     """A re-timed bucket changes its winner only when the new one is at least min_gain faster than what the
-    base launched there, timed in the same sweep (a 0.4% "win" once cost a held-out shape 2.8%: experiment
-    46), and the choice carries to the buckets above as the sweep's winner would."""
+    base launched there, timed in the same sweep (a 0.4% "win" cost a held-out shape 2.8%: PERFORMANCE.md,
+    "Tuning tables"), and the choice carries to the buckets above as the sweep's winner would."""
     incumbent, challenger, table = _backward_sweep_over(2000.0, 2000.0 * gain)
     for m in (32768, 65536):
         assert table.lookup("backward", m, 4096, BF16) == (incumbent if kept else challenger), m
