@@ -24,8 +24,8 @@ printed and flagged above ``--loss-rtol``.
 
 Run from the repository root::
 
-    python bench/bench_model.py                     # 2 models x 3 providers x 2 compile modes
-    python bench/bench_model.py --device cpu --layers 1 --hidden 64 --seq 32 --steps 2 --warmup 1 \\
+    python -m bench.bench_model                     # 2 models x 3 providers x 2 compile modes
+    python -m bench.bench_model --device cpu --layers 1 --hidden 64 --seq 32 --steps 2 --warmup 1 \\
         --providers hf,ours --compile none          # smoke test of the script itself
 
 Expected duration of the default run on one H100: about 4-6 minutes. Six subprocesses start (torch and
@@ -84,7 +84,11 @@ def _csv(allowed):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.bench_model",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--models", type=_csv(MODELS), default=list(MODELS), help="comma list (default llama,qwen3)")
     p.add_argument("--providers", type=_csv(PROVIDERS), default=list(PROVIDERS), help="default hf,ours,liger")
     p.add_argument("--compile", type=_csv(COMPILE_MODES), default=list(COMPILE_MODES), help="default none,inductor")
@@ -138,11 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _gpu_slug(name: str) -> str:
-    """The results folder of a card (bench/session.py's naming), imported only when a GPU run writes there."""
-    try:
-        from .session import gpu_slug
-    except ImportError:  # run as a script: bench/ is on sys.path
-        from session import gpu_slug
+    """The results folder of a card (bench/common/session.py's naming), imported only when a GPU run writes there."""
+    from bench.common.session import gpu_slug
+
     return gpu_slug(name)
 
 
@@ -390,8 +392,6 @@ def _versions() -> dict:
 def worker_main(args: argparse.Namespace) -> int:
     model_name, provider = args._worker.split(":")
     os.environ.setdefault(SILENCE_ENV, "1")
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.append(str(REPO_ROOT))  # tilegym_rms from this checkout when it is not installed
     import torch
 
     device = torch.device(args.device)
@@ -450,9 +450,11 @@ def worker_main(args: argparse.Namespace) -> int:
 def _run_worker(model_name: str, provider: str, argv: list[str], args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_model_") as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
+        cmd = [sys.executable, "-m", "bench.bench_model", *argv]
         cmd += ["--_worker", f"{model_name}:{provider}", "--_worker-out", str(result)]
         env = dict(os.environ, **{SILENCE_ENV: "1"})
+        # The checkout first on the child's path, however the parent found it: bench and tilegym_rms from here.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         # A session of its own, so that a timeout also ends the inductor compile workers it started.
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:

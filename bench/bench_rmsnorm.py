@@ -1,6 +1,6 @@
 """RMSNorm forward / backward / forward+backward benchmark of tilegym_rms against its peers.
 
-Run from the repository root: ``python bench/bench_rmsnorm.py [--quick] ...``; ``--help`` lists the flags.
+Run from the repository root: ``python -m bench.bench_rmsnorm [--quick] ...``; ``--help`` lists the flags.
 """
 
 from __future__ import annotations
@@ -9,13 +9,8 @@ import argparse
 import json
 import sys
 
-try:  # imported as part of the bench package / namespace
-    from . import base, cli_args
-    from .session import grid_configs, grid_label, start_session
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import cli_args
-    from session import grid_configs, grid_label, start_session
+from bench.common import base, cli_args
+from bench.common.session import grid_configs, grid_label, start_session
 
 KERNEL_NAME = "rms_norm"
 JSON_NAME = "rms_norm.json"
@@ -110,7 +105,7 @@ torch.compile and liger called on q and on k; tilegym_rms-triton / -torch on req
 """
 
 EPILOG = """\
-timing: sum of device kernel/memcpy/memset durations from torch.profiler per call (see bench/timing.py;
+timing: sum of device kernel/memcpy/memset durations from torch.profiler per call (see bench/common/timing.py;
 --timing cuda-events for CUDA events instead); median of --reps repetitions with 20th/80th percentiles,
 each repetition one pass over input sets that total > 4x L2. GB/s are also given as % of a 1 GiB
 device-to-device copy measured in the same run. The first call of each provider and shape is checked
@@ -121,13 +116,13 @@ output: tables on stdout, a progress line per configuration on stderr, Liger-for
 across runs) and one PNG per measure, <out>/rms_norm_<measure>.png.
 
 examples:
-  python bench/bench_rmsnorm.py --quick
-  python bench/bench_rmsnorm.py --measure forward,backward,full
-  python bench/bench_rmsnorm.py --measure latency,ascend-rs,large
-  python bench/bench_rmsnorm.py --measure full --dtype bf16 --M 32768 --providers tilegym_rms-cutile,liger
-  python bench/bench_rmsnorm.py --measure fused_add
-  python bench/bench_rmsnorm.py --measure qk_norm
-  python bench/bench_rmsnorm.py --measure heldout && python bench/heldout_report.py
+  python -m bench.bench_rmsnorm --quick
+  python -m bench.bench_rmsnorm --measure forward,backward,full
+  python -m bench.bench_rmsnorm --measure latency,ascend-rs,large
+  python -m bench.bench_rmsnorm --measure full --dtype bf16 --M 32768 --providers tilegym_rms-cutile,liger
+  python -m bench.bench_rmsnorm --measure fused_add
+  python -m bench.bench_rmsnorm --measure qk_norm
+  python -m bench.bench_rmsnorm --measure heldout && python -m bench.heldout_report
 exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 """
 
@@ -136,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     measure_help = (
         f"comma list among {','.join(MEASURES)} (default all; with --quick: {','.join(QUICK_DEFAULT_MEASURES)})"
     )
-    parser = cli_args.script_parser("bench_rmsnorm.py", DESCRIPTION, EPILOG, MEASURES, None, measure_help)
+    parser = cli_args.script_parser("python -m bench.bench_rmsnorm", DESCRIPTION, EPILOG, MEASURES, None, measure_help)
     parser.add_argument(
         "--latency-calls",
         type=int,
@@ -275,6 +270,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if not __package__:
-        base.ensure_repo_on_path()
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Standalone RMSNorm backward benchmark of tilegym_rms against its peers.
 
-Run from the repository root: ``python bench/bench_rmsnorm_backward.py [--quick] ...``; ``--help`` lists the flags.
+Run from the repository root: ``python -m bench.bench_rmsnorm_backward [--quick] ...``; ``--help`` lists the flags.
 """
 
 from __future__ import annotations
@@ -8,16 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-try:  # imported as part of the bench package / namespace
-    from . import base, cli_args, records, report, traffic
-    from .session import Session, grid_configs, grid_label, start_session
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import cli_args
-    import records
-    import report
-    import traffic
-    from session import Session, grid_configs, grid_label, start_session
+from bench.common import base, cli_args, records, report, traffic
+from bench.common.session import Session, grid_configs, grid_label, start_session
 
 KERNEL_NAME = "rms_norm_backward"
 JSON_NAME = "rms_norm_backward.json"
@@ -41,7 +33,7 @@ the traffic, 2*ws / (minimal + 2*ws) (written once, read once); TileGym's equiva
 """
 
 EPILOG = """\
-timing: sum of device kernel/memcpy/memset durations from torch.profiler per call (see bench/timing.py);
+timing: sum of device kernel/memcpy/memset durations from torch.profiler per call (see bench/common/timing.py);
 median of --reps repetitions with 20th/80th percentiles, each repetition one pass over input sets that
 total > 4x L2. The first call of each provider and shape is checked against float64 math (rel. error limit
 1e-2 bf16/fp16, 1e-4 fp32); failures are marked '!' in the tables.
@@ -50,9 +42,9 @@ output: tables on stdout, a progress line per configuration on stderr, Liger-for
 <out>/rms_norm_backward.json and PNGs <out>/rms_norm_backward_<measure>.png.
 
 examples:
-  python bench/bench_rmsnorm_backward.py --quick
-  python bench/bench_rmsnorm_backward.py
-  python bench/bench_rmsnorm_backward.py --measure standalone --dtype bf16 --M 32768 --N 4096,8192
+  python -m bench.bench_rmsnorm_backward --quick
+  python -m bench.bench_rmsnorm_backward
+  python -m bench.bench_rmsnorm_backward --measure standalone --dtype bf16 --M 32768 --N 4096,8192
 exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 """
 
@@ -60,7 +52,7 @@ exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 def build_parser() -> argparse.ArgumentParser:
     measure_help = f"comma list among {','.join(MEASURES)} (default both)"
     parser = cli_args.script_parser(
-        "bench_rmsnorm_backward.py", DESCRIPTION, EPILOG, MEASURES, list(MEASURES), measure_help
+        "python -m bench.bench_rmsnorm_backward", DESCRIPTION, EPILOG, MEASURES, list(MEASURES), measure_help
     )
     cli_args.add_common_args(parser)
     return parser
@@ -170,6 +162,4 @@ def _select(op: str):
 
 
 if __name__ == "__main__":
-    if not __package__:
-        base.ensure_repo_on_path()
     sys.exit(main())

@@ -1,10 +1,10 @@
 """The performance targets on the held-out shapes (and, with ``--grid``, on the grid): ours against the best peer.
 
-    python bench/heldout_report.py                         # bench/results/h100/heldout.json
-    python bench/heldout_report.py --grid                  # plus the rms_norm.json beside it
-    python bench/heldout_report.py PATH --grid OTHER.json --markdown   # a table for PERFORMANCE.md
+    python -m bench.heldout_report                         # bench/results/h100/heldout.json
+    python -m bench.heldout_report --grid                  # plus the rms_norm.json beside it
+    python -m bench.heldout_report PATH --grid OTHER.json --markdown   # a table for PERFORMANCE.md
     git show REV:bench/results/h100/rms_norm.json > /tmp/old.json
-    python bench/heldout_report.py --grid --baseline /tmp/old.json    # plus: what regressed since REV
+    python -m bench.heldout_report --grid --baseline /tmp/old.json    # plus: what regressed since REV
 
 Per shape and op: ours (tilegym_rms-cutile) in GB/s with its share of the copy bandwidth measured in the same
 run, the best peer (every provider that is not one of tilegym_rms's: torch, torch.compile, Liger, TileGym,
@@ -26,13 +26,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-try:  # imported as part of the bench package / namespace
-    from . import base, bench_rmsnorm, make_results, report
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import bench_rmsnorm
-    import make_results
-    import report
+from bench import bench_rmsnorm
+from bench.common import base, report
+from bench.tools import make_results
 
 OURS = "tilegym_rms-cutile"
 EXPECTED_PEERS = ("torch", "torch.compile", "liger", "tilegym", "quack")
@@ -238,7 +234,7 @@ def load(paths: list[Path]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="heldout_report.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.heldout_report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "results", nargs="?", type=Path, default=DEFAULT_RESULTS, help="held-out results (default %(default)s)"

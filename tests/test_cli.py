@@ -77,3 +77,23 @@ def test_check_runs_on_the_cpu(args):
     assert out.returncode == 0, out.stderr
     assert "device cpu" in out.stdout
     assert "(8x16) vs float64" in out.stdout and out.stdout.rstrip().endswith("-> ok")
+
+
+@pytest.mark.parametrize(
+    ("command", "module"), [("bench", "bench.bench_rmsnorm"), ("bench-backward", "bench.bench_rmsnorm_backward")]
+)
+def test_bench_commands_run_the_checkouts_scripts_from_any_directory(command, module, tmp_path):
+    """As after ``pip install -e .``: tilegym_rms imports, the checkout's bench package is not on the path and
+    the command runs elsewhere; the command still finds and runs the script (its own --help)."""
+    (tmp_path / "tilegym_rms").symlink_to(ROOT / "tilegym_rms")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "tilegym_rms", command, "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: python -m {module} ") and "--measure" in out.stdout

@@ -1,5 +1,5 @@
 """Tuning tables (tilegym_rms.cutile.tuning): the shipped tables, the product's lookup, the override hooks
-and the sweep's pure parts (bench/tune_table.py), all on the CPU."""
+and the sweep's pure parts (bench/tools/tune_table.py), all on the CPU."""
 
 import json
 import os
@@ -17,7 +17,7 @@ SMS = 132
 BF16 = torch.bfloat16
 REPO = Path(__file__).resolve().parents[1]
 
-# The forward / backward configs of the 14-shape grid (bench.base.GRID_M x GRID_N) as the heuristics chose
+# The forward / backward configs of the 14-shape grid (bench.common.base.GRID_M x GRID_N) as the heuristics chose
 # them before they became data (commit 76ffe7e, H100: 132 SMs), through the host (forward: M's bucket,
 # the grid following M). ForwardConfig: kernel, tile_m, tile_n, single_tile, grid, hints, tail_n.
 # BackwardConfig: plan, tile_m, tile_n, grid, num_chunks, hints, tail_n, strip_n, strip_m, and dw_per_row (added
@@ -670,13 +670,13 @@ def test_overlay_of_a_qk_sweep_keeps_the_heuristics_where_they_change():
     assert table.lookup("qk", 1 << 22, 64, BF16) == QK_ODD
 
 
-# --- the sweep (bench/tune_table.py) for the fused forward and qk, without a GPU ---
+# --- the sweep (bench/tools/tune_table.py) for the fused forward and qk, without a GPU ---
 
 
 @pytest.fixture
 def tune_table(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import tune_table
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.tools import tune_table
 
     return tune_table
 

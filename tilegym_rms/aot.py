@@ -212,7 +212,7 @@ def table_arch(doc: dict) -> str:
 
 
 def table_variants(arch: str | None = None) -> list[Variant]:
-    """The variants the shipped tuning tables' measured winners launch (bench/tune_table.py may pick tiles,
+    """The variants the shipped tuning tables' measured winners launch (bench/tools/tune_table.py may pick tiles,
     hints and kernels the heuristics never do; analytic entries are the heuristics', covered above): a
     training call's variants at each measured run (the fused forward's: both modes, x and the residual of
     one dtype; a backward winner's also with the residual gradient, as the fused add runs it). A winner's

@@ -10,7 +10,7 @@ command passes through to it. Bad arguments exit with status 2 and one line on s
 from __future__ import annotations
 
 import argparse
-import runpy
+import importlib
 import sys
 from pathlib import Path
 
@@ -21,8 +21,8 @@ from .dispatch import available_backends, resolve_backend
 from .ops import rms_norm_backward, rms_norm_forward
 from .testing import rel_err
 
-BENCH_SCRIPTS = {"bench": "bench_rmsnorm.py", "bench-backward": "bench_rmsnorm_backward.py"}
-COMMANDS = ("check", "aot", *BENCH_SCRIPTS)
+BENCH_MODULES = {"bench": "bench.bench_rmsnorm", "bench-backward": "bench.bench_rmsnorm_backward"}
+COMMANDS = ("check", "aot", *BENCH_MODULES)
 # The options of check, with or without ``=value`` (the only ones that take a value before a command).
 _CHECK_OPTIONS = ("--m", "--n")
 
@@ -110,17 +110,17 @@ def check(m: int = 4096, n: int = 4096) -> int:
     return 1 if any(failed) else 0
 
 
-def _run_bench(script: str, argv) -> int:
-    path = Path(__file__).resolve().parent.parent / "bench" / script
-    if not path.exists():
+def _run_bench(module: str, argv) -> int:
+    root = Path(__file__).resolve().parent.parent
+    bench = root / "bench"
+    if not (bench / "__init__.py").exists():
         print(
-            f"{path} not found: the benchmarks live in the repository's bench/ (install with pip install -e .)",
+            f"{bench} not found: the benchmarks live in the repository's bench/ (install with pip install -e .)",
             file=sys.stderr,
         )
         return 2
-    sys.path.insert(0, str(path.parent))
-    module = runpy.run_path(str(path), run_name="tilegym_rms_bench")
-    return int(module["main"](argv) or 0)
+    sys.path.insert(0, str(root))  # the checkout's bench package, not any other of that name
+    return int(importlib.import_module(module).main(argv) or 0)
 
 
 def main(argv=None) -> int:
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
             from .aot import main as aot_main
 
             return aot_main(rest)
-        return _run_bench(BENCH_SCRIPTS[command], rest)
+        return _run_bench(BENCH_MODULES[command], rest)
     args = parser.parse_args(argv)
     return check(_positive_int(parser, "--m", args.m), _positive_int(parser, "--n", args.n))
 

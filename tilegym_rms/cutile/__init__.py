@@ -164,7 +164,7 @@ def _forward_launch(device_index, m, n, dtype, kernel, casting_mode, has_w, stor
 
 
 def _built(kernel, hints):
-    # Through the module attribute: bench/tune_cutile.py swaps launch.with_hints (and clears the plans).
+    # Through the module attribute: bench/tools/tune_cutile.py swaps launch.with_hints (and clears the plans).
     from . import launch
 
     return launch.with_hints(kernel, hints)

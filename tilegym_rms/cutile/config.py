@@ -6,7 +6,7 @@ Kept apart from the kernels so that tuning never touches kernel code. A choice i
 turned into a launch configuration for one ``(M, N)`` by :func:`build_forward` / :func:`build_backward`.
 The candidate comes from the device's tuning table (:mod:`.tuning`) where it has an entry, else from the
 analytic heuristics, pure functions of ``(M, N, dtype, num_sms)`` whose parameters are the fields of
-:class:`Heuristics` (fitted on H100/H200 with ``bench/tune_cutile.py``; ``PERFORMANCE.md`` has the
+:class:`Heuristics` (fitted on H100/H200 with ``bench/tools/tune_cutile.py``; ``PERFORMANCE.md`` has the
 measurements). Tiles and hints come from M's power-of-two bucket (the host passes the bucket and caches the
 result per device, M, N, dtype and kernel), so a new M compiles nothing new. Tile shapes are powers of two."""
 
@@ -25,8 +25,8 @@ FORWARD_KERNELS = ("gather", "persistent")
 @dataclass(frozen=True)
 class Heuristics:
     """The analytic heuristics' parameters (the fallback where no tuning table has an entry, see
-    :mod:`.tuning`). Defaults are the constants fitted on H100/H200; ``bench/tune_cutile.py --set`` and
-    ``bench/sanitize.py`` run with other values through :func:`override`."""
+    :mod:`.tuning`). Defaults are the constants fitted on H100/H200; ``bench/tools/tune_cutile.py --set`` and
+    ``bench/tools/sanitize.py`` run with other values through :func:`override`."""
 
     # Widest row kept in registers as one tile; wider rows take the column-chunked kernels. A whole row per
     # block streams faster than chunks that read it twice (PERFORMANCE.md, "Wide rows"). The persistent
@@ -240,8 +240,8 @@ BACKWARD_PLANS = ("direct", "persistent", "chunked")
 
 @contextlib.contextmanager
 def override(**changes):
-    """Runs the analytic heuristics with some parameters changed (``bench/tune_cutile.py --set``,
-    ``bench/sanitize.py``); the caller clears the host caches (``tilegym_rms.cutile.clear_caches``)."""
+    """Runs the analytic heuristics with some parameters changed (``bench/tools/tune_cutile.py --set``,
+    ``bench/tools/sanitize.py``); the caller clears the host caches (``tilegym_rms.cutile.clear_caches``)."""
     global HEURISTICS
     saved = HEURISTICS
     HEURISTICS = replace(saved, **changes)

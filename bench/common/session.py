@@ -15,15 +15,7 @@ from pathlib import Path
 
 import torch
 
-try:  # imported as part of the bench package / namespace
-    from . import base, providers, records, report, timing, traffic
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import providers
-    import records
-    import report
-    import timing
-    import traffic
+from bench.common import base, providers, records, report, timing, traffic
 
 
 def gpu_slug(name: str) -> str:

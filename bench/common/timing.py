@@ -22,11 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # imported as part of the bench package / namespace
-    from . import base, traffic
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import traffic
+from bench.common import base, traffic
 
 
 def l2_bytes(device: torch.device) -> int:
@@ -37,12 +33,10 @@ def l2_bytes(device: torch.device) -> int:
 
 
 def cuda_device(prog: str) -> torch.device | None:
-    """The current CUDA device for a GPU-only tool, with the checkout's tilegym_rms importable; None, after
-    saying why on stderr, when there is no GPU."""
+    """The current CUDA device for a GPU-only tool; None, after saying why on stderr, when there is no GPU."""
     if not torch.cuda.is_available():
         print(f"{prog} needs a CUDA GPU", file=sys.stderr)
         return None
-    base.ensure_repo_on_path()
     return torch.device("cuda", torch.cuda.current_device())
 
 

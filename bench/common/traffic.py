@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import math
 
-try:  # imported as part of the bench package / namespace
-    from . import base
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
+from bench.common import base
 
 
 def forward_bytes(m: int, n: int, elt: int, w_elt: int | None = None) -> int:

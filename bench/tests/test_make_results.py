@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import make_results  # noqa: E402
-import records  # noqa: E402
-import traffic  # noqa: E402
+from bench.common import records, traffic
+from bench.tools import make_results
 
 
 def test_results_md_is_up_to_date():
     """Regenerating RESULTS.md from the committed JSON gives the committed text."""
     expected = make_results.render()
-    assert make_results.RESULTS_MD.read_text() == expected, "stale: run python bench/make_results.py"
+    assert make_results.RESULTS_MD.read_text() == expected, "stale: run python -m bench.tools.make_results"
 
 
 def test_every_committed_file_is_linked():

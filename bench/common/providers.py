@@ -11,10 +11,7 @@ from functools import cached_property
 
 import torch
 
-try:  # imported as part of the bench package / namespace
-    from . import base
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
+from bench.common import base
 
 
 @dataclass

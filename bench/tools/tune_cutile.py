@@ -10,9 +10,9 @@ than 4x the L2 cache. ``--breakdown`` also prints the per-kernel device time of 
 e.g. how much of a backward the dw reduction takes. Prints one table; the winners go into
 ``config.Heuristics`` with their measurements in ``PERFORMANCE.md``.
 
-    python bench/tune_cutile.py --op backward --shapes 4096x2048 --set bwd_narrow_blocks_per_sm=1,2 --breakdown
-    python bench/tune_cutile.py --op forward --shapes 4096x1024 --set fwd_narrow_occupancy=0,2,4
-    python bench/tune_cutile.py --op backward --hint num_worker_warps=0,8 --only rms_norm_dw_reduce --breakdown
+    python -m bench.tools.tune_cutile --op backward --shapes 4096x2048 --set bwd_narrow_blocks_per_sm=1,2 --breakdown
+    python -m bench.tools.tune_cutile --op forward --shapes 4096x1024 --set fwd_narrow_occupancy=0,2,4
+    python -m bench.tools.tune_cutile --op backward --hint num_worker_warps=0,8 --only rms_norm_dw_reduce --breakdown
 """
 
 from __future__ import annotations
@@ -24,13 +24,7 @@ import sys
 
 import torch
 
-try:  # imported as part of the bench package / namespace
-    from . import base, cli_args, timing, traffic
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import cli_args
-    import timing
-    import traffic
+from bench.common import base, cli_args, timing, traffic
 
 OPS = ("forward", "backward")
 
@@ -47,7 +41,7 @@ def parse_set(text: str) -> tuple[str, list[int]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tune_cutile.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.tune_cutile", description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=OPS, default="backward")
     parser.add_argument("--dtype", type=cli_args.parse_dtype, default="bf16", help="bf16, fp16 or fp32")
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("4096x4096,32768x4096"), help="MxN,...")

@@ -8,17 +8,17 @@ winner is the fastest unless it beats the analytic choice by less than ``--min-g
 GB/s is kept in the run, so the table documents itself. The file is rewritten after each (op, dtype, N),
 so an interrupted sweep resumes with ``--merge`` on its own output: points already measured are skipped.
 
-    python bench/tune_table.py --device cuda:0 --out tilegym_rms/cutile/tuning/sm90_132sm.json
-    python bench/tune_table.py --quick --dtypes bf16 --out /tmp/t.json         # a smaller sweep
-    python bench/tune_table.py --plan --sms 132                                 # counts and estimate, no GPU
-    python bench/tune_table.py --ops fused_forward,qk --dtypes bf16 --quick --m 4096,32768 --out s.json
-    python bench/tune_table.py --ops forward --wide --dtypes bf16 --n 64,128,256 --m 65536 --out w.json
-    python bench/tune_table.py --overlay s.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
-        --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # merged into the shipped table
-    python bench/tune_table.py --overlay h200.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
+    python -m bench.tools.tune_table --device cuda:0 --out tilegym_rms/cutile/tuning/sm90_132sm.json
+    python -m bench.tools.tune_table --quick --dtypes bf16 --out /tmp/t.json         # a smaller sweep
+    python -m bench.tools.tune_table --plan --sms 132                                 # counts and estimate, no GPU
+    python -m bench.tools.tune_table --ops fused_forward,qk --dtypes bf16 --quick --m 4096,32768 --out s.json
+    python -m bench.tools.tune_table --ops forward --wide --dtypes bf16 --n 64,128,256 --m 65536 --out w.json
+    python -m bench.tools.tune_table --overlay s.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
+        --out tilegym_rms/cutile/tuning/sm90_132sm.json                            # merged into the shipped table
+    python -m bench.tools.tune_table --overlay h200.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
         --out tilegym_rms/cutile/tuning/sm90_132sm.nvidia-h200.json  # a card's first table, from its class's
-    python bench/tune_table.py --analytic --sms 132 --capability 9.0 --name "NVIDIA H100 80GB HBM3" \\
-        --out tilegym_rms/cutile/tuning/sm90_132sm.json                       # the analytic table, no GPU
+    python -m bench.tools.tune_table --analytic --sms 132 --capability 9.0 --name "NVIDIA H100 80GB HBM3" \\
+        --out tilegym_rms/cutile/tuning/sm90_132sm.json                            # the analytic table, no GPU
 
 ``--after-forward`` times each backward candidate after the forward the device's table launches, as a training
 step runs them: a backward can win alone and lose there (PERFORMANCE.md, "Backward", "In the training step").
@@ -49,7 +49,7 @@ times the timings, so it is meant for few widths at a time (``--plan`` estimates
 PERFORMANCE.md, "Tuning tables", has some).
 
 Shapes above ``MAX_ELEMENTS`` are not timed (their M run is the one below: the floor rule of the schema).
-The tool lives in bench/ because it needs the benchmarks' timer; the package holds the table format,
+The tool lives in bench/tools/ because it needs the benchmarks' timer; the package holds the table format,
 buckets, candidates, winner rule and merge (``tilegym_rms.cutile.tuning``), so both share one definition.
 """
 
@@ -64,14 +64,8 @@ from dataclasses import asdict, replace
 
 import torch
 
-try:  # imported as part of the bench package / namespace
-    from . import base, timing, traffic, tune_cutile
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import timing
-    import traffic
-    import tune_cutile
-
+from bench.common import base, timing, traffic
+from bench.tools import tune_cutile
 from tilegym_rms import ops
 from tilegym_rms.cutile import config, tuning
 
@@ -91,7 +85,7 @@ def parse_ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tune_table.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.tune_table", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--out", help="the table to write")
     parser.add_argument("--ops", default="forward,backward", help=f"some of {','.join(tuning.OPS)}")
@@ -217,7 +211,7 @@ def qk_winner(cands, gbps: dict[str, float], min_gain: float):
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    command = "python bench/tune_table.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.tools.tune_table " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.overlay:
         if not args.out:
             parser.error("--overlay needs --out")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
+BENCH_DIR = Path(__file__).resolve().parents[1]  # bench/: heldout.json and results/ live there
+REPO_ROOT = BENCH_DIR.parent  # RESULTS.md lives beside the README
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 1e-2, "fp16": 1e-2, "fp32": 1e-4}
@@ -94,13 +94,6 @@ def short_error(exc: BaseException, limit: int = 160) -> str:
     line = (str(exc).strip().splitlines() or [""])[0]
     text = f"{type(exc).__name__}: {line}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def ensure_repo_on_path() -> None:
-    """When run as ``python bench/x.py``, make the checkout's tilegym_rms importable (after installed ones)."""
-    root = str(REPO_ROOT)
-    if root not in sys.path:
-        sys.path.append(root)
 
 
 def heldout_configs(path: Path | None = None) -> list[tuple[str, int, int]]:

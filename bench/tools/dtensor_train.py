@@ -14,8 +14,8 @@ unsharded on this rank's device on the same global batch:
 Prints the losses, the max relative difference and PASS/FAIL per layout; exits non-zero on a fail.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-        torchrun --nproc_per_node 2 bench/dtensor_train.py --device cuda
-    torchrun --nproc_per_node 2 bench/dtensor_train.py --device cpu     # gloo smoke test
+        torchrun --nproc_per_node 2 -m bench.tools.dtensor_train --device cuda
+    torchrun --nproc_per_node 2 -m bench.tools.dtensor_train --device cpu     # gloo smoke test
 """
 
 from __future__ import annotations

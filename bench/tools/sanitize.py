@@ -1,9 +1,9 @@
 """Every cuTile kernel variant class on odd shapes, checked against float64: a driver for compute-sanitizer.
 
-    python bench/sanitize.py --list                  # the plan: no GPU needed
-    python bench/sanitize.py                         # plain run: compiles every variant, fills the disk cache
-    compute-sanitizer --tool memcheck --error-exitcode 1 python bench/sanitize.py
-    compute-sanitizer --tool racecheck --error-exitcode 1 python bench/sanitize.py --kernels racecheck --quick
+    python -m bench.tools.sanitize --list                  # the plan: no GPU needed
+    python -m bench.tools.sanitize                         # plain run: compiles every variant, fills the disk cache
+    compute-sanitizer --tool memcheck --error-exitcode 1 python -m bench.tools.sanitize
+    compute-sanitizer --tool racecheck --error-exitcode 1 python -m bench.tools.sanitize --kernels racecheck --quick
 
 Each case launches one kernel class through the product's host code (``tilegym_rms.cutile.forward`` /
 ``backward``, or the launch helper for the dw reduction), checks the outputs against the float64 reference
@@ -24,7 +24,7 @@ Classes (``--kernels`` takes class names, kernel names, ``forward``, ``backward`
 * ``bwd_chunked``: ``rms_norm_bwd_row_dot`` + ``rms_norm_bwd_column_chunk``, then ``rms_norm_dw_reduce``.
 * ``dw_reduce``: ``rms_norm_dw_reduce`` alone, on fp32 partial buffers of odd row counts (M is their rows).
 
-The backward has no public switch between its plans, so the script forces one the way ``bench/tune_cutile.py``
+The backward has no public switch between its plans, so the script forces one the way ``bench/tools/tune_cutile.py``
 sweeps: it overrides the heuristics' thresholds that route between plans (``config.override``, the tuning
 table off) and clears the host caches (``tilegym_rms.cutile.clear_caches``) around the case; the plan itself
 still comes from the product's ``_backward_config``. No product file is patched. Compile-time constants depend
@@ -87,7 +87,6 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 
 # Before torch loads, because its allocator reads the switch only once (see the module docstring); the
 # experimental-kernel warnings would only interleave with the case lines.
@@ -95,8 +94,6 @@ os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 os.environ.setdefault("TILEGYM_RMS_SILENCE_EXPERIMENTAL", "1")
 
 import torch  # noqa: E402
-
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # `python bench/sanitize.py` from a checkout
 
 import tilegym_rms.cutile as cutile  # noqa: E402
 from tilegym_rms import reference  # noqa: E402
@@ -559,7 +556,7 @@ def print_plan(selected: list[tuple[Case, Plan]], classes: list[KernelClass], sm
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sanitize.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.sanitize", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--kernels",
         nargs="+",

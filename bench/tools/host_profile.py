@@ -5,7 +5,7 @@ This script times, per call and back to back (one sync per batch), the pieces of
 bare ``ct.launch`` with prepared arguments up to a full forward + ``torch.autograd.grad``, next to torch,
 then prints the top functions of a cProfile of the forward+backward loop.
 
-    python bench/host_profile.py --m 64 --n 4096 --dtype bf16
+    python -m bench.tools.host_profile --m 64 --n 4096 --dtype bf16
 """
 
 from __future__ import annotations
@@ -19,13 +19,7 @@ import time
 
 import torch
 
-try:  # imported as part of the bench package / namespace
-    from . import base, cli_args, timing, traffic
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import cli_args
-    import timing
-    import traffic
+from bench.common import base, cli_args, timing, traffic
 
 
 def per_call_us(fn, device: torch.device, calls: int, reps: int = 5) -> float:
@@ -392,7 +386,7 @@ def torch_profile_top(fn, calls: int, top: int) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="host_profile.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.host_profile", description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, default=64)
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--dtype", type=cli_args.parse_dtype, default="bf16")

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-HELDOUT = json.loads((Path(__file__).resolve().parent / "heldout.json").read_text())["shapes"]
+HELDOUT = json.loads((Path(__file__).resolve().parents[1] / "heldout.json").read_text())["shapes"]
 
 
 def test_heldout_shapes_are_not_sweep_points_and_cover_what_users_run():

@@ -10,18 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import base  # noqa: E402
-import cli_args  # noqa: E402
-import providers  # noqa: E402
-import records  # noqa: E402
-import report  # noqa: E402
-import session  # noqa: E402
-import timing  # noqa: E402
-import traffic  # noqa: E402
-
-from tilegym_rms import testing  # noqa: E402
+from bench import bench_rmsnorm
+from bench.common import base, cli_args, providers, records, report, session, timing, traffic
+from bench.tools import kernel_resources as kr
+from bench.tools import ncu_compare
+from tilegym_rms import testing
 
 
 def test_bytes():
@@ -146,8 +139,6 @@ def test_split_by_markers():
 def test_kernel_resources_reads_the_compilers_report():
     """One small variant compiled for sm_90: the report has a register count within the hardware's range."""
     pytest.importorskip("cuda.tile")
-    import kernel_resources as kr
-
     from tilegym_rms import aot
 
     cuobjdump = kr.find_cuobjdump()
@@ -165,8 +156,6 @@ def test_kernel_resources_reports_the_build_a_launch_makes():
     tiles in shared memory, with fewer registers; the build without that assumption, which the compile check
     makes, stages none. kernel_resources.py reports the first unless --generic."""
     pytest.importorskip("cuda.tile")
-    import kernel_resources as kr
-
     from tilegym_rms import aot
 
     cuobjdump = kr.find_cuobjdump()
@@ -185,8 +174,6 @@ def test_kernel_resources_reports_what_the_table_launches(monkeypatch, capsys):
     """On an H100's class the host launches the tuning table's winners, so the report shows those (bf16 32768 x
     1536: the table's 8-row backward tile, the heuristics' 4); ``--analytic`` shows the heuristics' instead."""
     pytest.importorskip("cuda.tile")
-    import kernel_resources as kr
-
     from tilegym_rms import aot
     from tilegym_rms.cutile import config, tuning
 
@@ -224,8 +211,6 @@ def test_session_checks_and_times_each_provider(tmp_path, monkeypatch):
     """Both loops (timed configurations and eager latency) check a working provider against float64 and time
     it, and record a failing one's error without stopping the run."""
     monkeypatch.setenv(base.CPU_ENV, "1")
-    import bench_rmsnorm
-
     argv = ["--reps", "2", "--out", str(tmp_path), "--no-plot"]
     args = cli_args.finish_args(bench_rmsnorm.build_parser().parse_args(argv))
     run = session.Session(args, "k", "k.json")
@@ -263,8 +248,6 @@ def test_fused_add_bytes_and_check():
 def test_fused_add_measure_cpu_mode(tmp_path, monkeypatch, capsys):
     """--measure fused_add in the CPU test mode: forward and backward points, each checked ok."""
     monkeypatch.setenv(base.CPU_ENV, "1")
-    import bench_rmsnorm
-
     argv = ["--measure", "fused_add", "--M", "64", "--N", "256", "--reps", "2", "--out", str(tmp_path)]
     argv += ["--providers", "tilegym_rms-torch,tilegym_rms-unfused,torch,quack", "--no-plot"]
     assert bench_rmsnorm.main(argv) == 0
@@ -290,8 +273,6 @@ def test_qk_norm_measure_cpu_mode(tmp_path, monkeypatch, capsys):
     """--measure qk_norm in the CPU test mode: forward and backward points of ours and a peer called twice,
     each checked against float64 for q and for k."""
     monkeypatch.setenv(base.CPU_ENV, "1")
-    import bench_rmsnorm
-
     argv = ["--measure", "qk_norm", "--M", "256", "--N", "64", "--reps", "2", "--out", str(tmp_path)]
     argv += ["--providers", "tilegym_rms-torch,torch", "--no-plot"]
     assert bench_rmsnorm.main(argv) == 0
@@ -341,8 +322,6 @@ def test_quack_is_a_plain_rmsnorm_provider(monkeypatch):
 
 
 def _heldout_plan(argv):
-    import bench_rmsnorm
-
     args = cli_args.finish_args(bench_rmsnorm.build_parser().parse_args(argv))
     bench_rmsnorm.split_providers(args)
     return args, bench_rmsnorm.plan(args)
@@ -351,7 +330,7 @@ def _heldout_plan(argv):
 def test_heldout_measure_plans_exactly_the_heldout_shapes(capsys):
     """forward, backward and full on each shape of bench/heldout.json with its own dtype (--dtype/--M/--N do
     not reach it), beside quack; every input rotation streams from HBM (> 4x L2) without being capped."""
-    shapes = json.loads((Path(__file__).resolve().parent / "heldout.json").read_text())["shapes"]
+    shapes = json.loads((Path(__file__).resolve().parents[1] / "heldout.json").read_text())["shapes"]
     expected = [(s["dtype"], s["m"], s["n"]) for s in shapes]
     for extra in ([], ["--dtype", "fp32", "--M", "64", "--N", "128"], ["--quick"]):
         args, steps = _heldout_plan(["--measure", "heldout", *extra])
@@ -366,8 +345,6 @@ def test_heldout_measure_plans_exactly_the_heldout_shapes(capsys):
                 one = traffic.read_bytes(op, m, n, base.DTYPES[dtype].itemsize)
                 sets, capped = traffic.rotation_sets(one, l2)
                 assert not capped and sets * one > base.L2_FACTOR * l2 and (sets - 1) * one <= base.L2_FACTOR * l2
-    import bench_rmsnorm
-
     assert bench_rmsnorm.main(["--measure", "heldout", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "bf16 M=12345 N=12288" in out and "fp16 M=2000000 N=64" in out and "total configurations: 45" in out
@@ -381,8 +358,6 @@ def test_heldout_measure_writes_its_own_file(tmp_path, monkeypatch, capsys):
     shapes = [{"m": 24, "n": 64, "dtype": "fp32"}, {"m": 40, "n": 96, "dtype": "bf16"}]
     heldout.write_text(json.dumps({"shapes": shapes}))
     monkeypatch.setattr(base, "HELDOUT_FILE", heldout)
-    import bench_rmsnorm
-
     argv = ["--measure", "forward,heldout", "--M", "8", "--N", "32", "--dtype", "fp32", "--reps", "2"]
     argv += ["--providers", "tilegym_rms-torch,torch", "--out", str(tmp_path / "out"), "--no-plot"]
     assert bench_rmsnorm.main(argv) == 0
@@ -409,8 +384,6 @@ def test_heldout_measure_writes_its_own_file(tmp_path, monkeypatch, capsys):
 def test_ncu_compare_profiles_one_checked_call_per_provider():
     """Only the third call of each provider runs between the profiler's start and stop, in provider order, and a
     provider with wrong outputs is reported and counted."""
-    import ncu_compare
-
     events = []
     right = providers.Provider(
         "right", lambda x, w: (events.append("right"), providers.llama_rms_norm(x, w, base.EPS))[1]

@@ -6,7 +6,7 @@ outputs checked against float64 math, and then called once between ``cudaProfile
 script prints, per shape, the order in which the providers ran, which is the order of their kernels in the
 report::
 
-    ncu --profile-from-start off --set full -o /tmp/fwd python bench/ncu_compare.py \\
+    ncu --profile-from-start off --set full -o /tmp/fwd python -m bench.tools.ncu_compare \\
         --shapes 8000x896,6000x2304 --dtype bf16 --op forward --providers tilegym_rms-cutile,quack,torch.compile
 
 Ops are the benchmark's (``providers.build_call``): ``forward`` under no_grad, ``backward`` as
@@ -21,24 +21,23 @@ import sys
 
 import torch
 
-try:
-    from . import base, providers, timing, tune_cutile
-except ImportError:
-    import base
-    import providers
-    import timing
-    import tune_cutile
+from bench.common import base, providers, timing
+from bench.tools import tune_cutile
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.tools.ncu_compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--shapes", required=True, help="MxN[,MxN...]")
     ap.add_argument("--dtype", default="bf16", choices=sorted(base.DTYPES))
     ap.add_argument("--op", default="forward", choices=("forward", "backward", "full"))
     ap.add_argument("--providers", default="tilegym_rms-cutile,quack,torch.compile,liger")
     args = ap.parse_args(argv)
 
-    device = timing.cuda_device("ncu_compare.py")
+    device = timing.cuda_device(ap.prog)
     if device is None:
         return 2
     tilegym_rms, _, err = providers.import_tilegym_rms()

@@ -8,11 +8,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-try:  # imported as part of the bench package / namespace
-    from . import base, traffic
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import traffic
+from bench.common import base, traffic
 
 # The per-x columns of a record, kept in step when points are sorted or merged.
 COLUMNS = ("x_values", "y_values_50", "y_values_20", "y_values_80", "rel_err")

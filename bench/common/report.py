@@ -6,11 +6,7 @@ import json
 import math
 from pathlib import Path
 
-try:  # imported as part of the bench package / namespace
-    from . import base, records
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import records
+from bench.common import base, records
 
 
 def format_table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:

@@ -7,10 +7,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-try:  # imported as part of the bench package / namespace
-    from . import base
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
+from bench.common import base
 
 
 def csv_list(kind: Callable[[str], object]) -> Callable[[str], list]:

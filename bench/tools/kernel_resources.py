@@ -13,7 +13,7 @@ splits its warps, so its registers, stack and shared memory differ from the buil
 ``--generic`` reports that other build instead; it is the one the compile check builds, and the one a launch
 makes for rows that are not 16-byte aligned (PERFORMANCE.md, "Toolchain").
 
-    python bench/kernel_resources.py --shapes 32768x4096,4096x16384,4096x32768 --dtype bf16
+    python -m bench.tools.kernel_resources --shapes 32768x4096,4096x16384,4096x32768 --dtype bf16
 """
 
 from __future__ import annotations
@@ -26,11 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-try:  # imported as part of the bench package / namespace
-    from . import base, cli_args
-except ImportError:  # run as a script: bench/ is on sys.path
-    import base
-    import cli_args
+from bench.common import base, cli_args
 
 
 def find_cuobjdump() -> str | None:
@@ -66,7 +62,7 @@ def chosen_table(arch: str, sms: int, analytic: bool = False):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kernel_resources.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.kernel_resources", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="32768x4096", help="MxN,... (default %(default)s)")
     parser.add_argument("--dtype", type=cli_args.parse_dtype, default="bf16", help="bf16, fp16 or fp32")
     parser.add_argument("--arch", default="sm_90", help="compile target (default %(default)s)")
@@ -74,7 +70,6 @@ def main(argv=None) -> int:
     parser.add_argument("--analytic", action="store_true", help="the heuristics' choices, not the tuning table's")
     parser.add_argument("--generic", action="store_true", help="the build without alignment assumptions")
     args = parser.parse_args(argv)
-    base.ensure_repo_on_path()
     from tilegym_rms import aot
 
     cuobjdump = find_cuobjdump()

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import heldout_report as hr  # noqa: E402
-import records  # noqa: E402
-import traffic  # noqa: E402
+from bench import heldout_report as hr
+from bench.common import records, traffic
 
 COPY = 3000.0
 META = {"gpu_name": "Test GPU", "timestamp": "t", "tilegym_rms_version": "v", "copy_bandwidth_GBps": COPY}

@@ -1,0 +1,1 @@
+"""CPU tests of the benchmarks and tools (``pytest bench``)."""
