@@ -21,10 +21,13 @@ from tilegym_rms.integrations import hf  # noqa: E402
 from tilegym_rms.integrations.hf import (  # noqa: E402
     TilegymHFRMSNorm,
     apply_to_model,
+    kinds,
     patch_transformers,
     patched_transformers,
+    recognize,
     unpatch_transformers,
 )
+from tilegym_rms.integrations.hf import patch as class_patch  # noqa: E402
 
 FAMILIES = list(hf.FAMILIES)
 
@@ -78,7 +81,7 @@ def expected_norms(family: str, layers: int = 2) -> int:
 
 
 def hf_class(family: str):
-    return hf._family_class(family)
+    return recognize.family_class(family)
 
 
 def build(family: str, layers: int = 2, dtype=torch.float32, seed: int = 0):
@@ -120,13 +123,13 @@ def kernel_calls(monkeypatch):
     """Counts calls of tilegym_rms.rms_norm from the integration: equal outputs alone would not show
     that our kernels ran (the torch backend computes HF's formulas exactly)."""
     calls = []
-    real = hf.rms_norm
+    real = kinds.rms_norm
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hf, "rms_norm", counting)
+    monkeypatch.setattr(kinds, "rms_norm", counting)
     return calls
 
 
@@ -244,7 +247,7 @@ DTYPE_PAIRS = [
 
 
 def check_module_parity(hf_module, x_dtype, device, backend=None):
-    kind = hf._kind_of(type(hf_module))
+    kind = recognize.kind_of(type(hf_module))
     ours = TilegymHFRMSNorm(hf_module.weight, getattr(hf_module, kind.eps_attr), kind.name, backend=backend)
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(3, 5, hf_module.weight.shape[0], generator=g) * 4).to(device, x_dtype)
@@ -381,7 +384,7 @@ def test_patch_transformers_before_from_config(family, kernel_calls):
         assert names == [cls.__name__]
         assert cls.forward is not original
         patch_transformers([family])  # idempotent: still one level deep
-        assert getattr(cls.forward, hf._ORIGINAL) is original
+        assert getattr(cls.forward, recognize.ORIGINAL_ATTR) is original
         model = build(family)  # the same seed: the same weights, built while patched
         assert count_hf_norms(model, family) == expected_norms(family)  # modules stay HF's
         assert list(model.state_dict()) == list(ref.state_dict())
@@ -407,7 +410,7 @@ def test_patch_transformers_api():
     finally:
         unpatch_transformers()
     assert all(c.forward is f for c, f in originals.items())
-    assert not hf._CLASS_PATCHES
+    assert not class_patch._CLASS_PATCHES
     with pytest.raises(ValueError, match="unknown family"):
         patch_transformers("t5")
     with pytest.raises(ValueError, match="known RMSNorm kind"):
@@ -502,15 +505,19 @@ class Olmo2Formula(torch.nn.Module):
 
 def test_probe_tells_the_formulas_apart():
     llama, gemma = hf_class("llama"), hf_class("gemma")
-    assert hf._probe(hf.LLAMA, llama) and hf._probe(hf.GEMMA, gemma) and hf._probe(hf.OLMO2, Olmo2Formula)
+    assert (
+        recognize._probe(kinds.LLAMA, llama)
+        and recognize._probe(kinds.GEMMA, gemma)
+        and recognize._probe(kinds.OLMO2, Olmo2Formula)
+    )
     # Olmo2 multiplies before rounding, Llama after: the probe's inputs make that visible.
-    assert not hf._probe(hf.LLAMA, Olmo2Formula)
-    assert not hf._probe(hf.OLMO2, llama)
-    assert not hf._probe(hf.GEMMA, llama)
-    assert not hf._probe(hf.LLAMA, gemma)
+    assert not recognize._probe(kinds.LLAMA, Olmo2Formula)
+    assert not recognize._probe(kinds.OLMO2, llama)
+    assert not recognize._probe(kinds.GEMMA, llama)
+    assert not recognize._probe(kinds.LLAMA, gemma)
     # Whatever this transformers' Olmo2RMSNorm computes, it is given the kind whose probe it passes.
     olmo2 = hf_class("olmo2")
-    assert hf._probe(hf._kind_of(olmo2), olmo2)
+    assert recognize._probe(recognize.kind_of(olmo2), olmo2)
 
 
 def test_hooks_and_accelerate_hook_move_to_the_replacement():
