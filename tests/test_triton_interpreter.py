@@ -142,22 +142,22 @@ def launches(monkeypatch):
 def test_choose_path(ub, M, N, op, ub_bytes, expected, dtype):
     ub(ub_bytes)
     assert config.choose_path(M, N, dtype, op) == expected
-    p = config.plan(M, N, dtype, op)
-    assert p.path == expected
+    tiles = config.choose_tiles(M, N, dtype, op)
+    assert tiles.path == expected
     budget = config.max_tile_elems(op)
-    for size in (p.block_m, p.block_n):
+    for size in (tiles.block_m, tiles.block_n):
         assert size & (size - 1) == 0, "tl.arange sizes must be powers of two"
-    assert p.block_m * p.block_n <= budget, "the tile must fit the Unified Buffer budget"
-    assert p.num_tasks == -(-M // p.block_m)
-    assert p.even_m == (M % p.block_m == 0) and p.even_n == (N % p.block_n == 0)
+    assert tiles.block_m * tiles.block_n <= budget, "the tile must fit the Unified Buffer budget"
+    assert tiles.num_tasks == -(-M // tiles.block_m)
+    assert tiles.even_m == (M % tiles.block_m == 0) and tiles.even_n == (N % tiles.block_n == 0)
     if expected == "partitioned":
-        assert p.block_m == 1 and p.block_n < N, "a row that does not fit is split into column chunks"
+        assert tiles.block_m == 1 and tiles.block_n < N, "a row that does not fit is split into column chunks"
     else:
-        assert p.block_n >= N
+        assert tiles.block_n >= N
     if expected == "block":
-        assert p.block_m <= min(config.BLOCK_M_CAP, config.next_pow2(M))
+        assert tiles.block_m <= min(config.BLOCK_M_CAP, config.next_pow2(M))
     if expected == "block_row":
-        assert 1 < p.block_m <= config.BLOCK_ROW_CAP
+        assert 1 < tiles.block_m <= config.BLOCK_ROW_CAP
 
 
 def test_ub_budget_default_and_override(ub):
@@ -193,15 +193,15 @@ def test_launch_uses_choose_path(ub, launches, M, N, ub_bytes):
     (fwd, fused, bwd, reduce) = launches
     for (kernel, grid, _args, flags), op in zip((fwd, fused, bwd), ("forward", "fused_add", "backward"), strict=True):
         path = config.choose_path(M, N, x.dtype, op)
-        p = config.plan(M, N, x.dtype, op)
+        tiles = config.choose_tiles(M, N, x.dtype, op)
         if path == "partitioned":
             assert kernel in (kernels.rms_norm_fwd_partitioned_kernel, kernels.rms_norm_bwd_partitioned_kernel)
         else:
             assert kernel in (kernels.rms_norm_fwd_kernel, kernels.rms_norm_bwd_kernel)
             assert flags["BLOCK_ROW_SCHEDULE"] == (path == "block_row")
-        assert (flags["BLOCK_M"], flags["BLOCK_N"]) == (p.block_m, p.block_n)
-        assert (flags["EVEN_M"], flags["EVEN_N"]) == (p.even_m, p.even_n)
-        assert 1 <= grid[0] <= min(config.INTERPRETER_NUM_PROGRAMS, p.num_tasks)
+        assert (flags["BLOCK_M"], flags["BLOCK_N"]) == (tiles.block_m, tiles.block_n)
+        assert (flags["EVEN_M"], flags["EVEN_N"]) == (tiles.even_m, tiles.even_n)
+        assert 1 <= grid[0] <= min(config.INTERPRETER_NUM_PROGRAMS, tiles.num_tasks)
     partial = bwd[2][5]
     assert partial.shape == (bwd[1][0], N) and partial.dtype == torch.float32, "grid x N fp32 dw partials"
     assert reduce[0] is kernels.rms_norm_dw_reduce_kernel and reduce[2][0] is partial

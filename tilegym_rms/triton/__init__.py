@@ -18,7 +18,7 @@ from tilegym_rms._checks import KERNEL_DTYPES
 from tilegym_rms.reference import CASTING_CODES, CASTING_MODES, FUSED_ADD_MODES
 from tilegym_rms.triton import config
 from tilegym_rms.triton import launch as _launch
-from tilegym_rms.triton.config import choose_path, plan
+from tilegym_rms.triton.config import choose_path, choose_tiles
 
 __all__ = [
     "FORWARD_KERNELS",
@@ -27,9 +27,9 @@ __all__ = [
     "available",
     "backward",
     "choose_path",
+    "choose_tiles",
     "forward",
     "fused_add_forward",
-    "plan",
 ]
 
 SUPPORTED_DTYPES = KERNEL_DTYPES
@@ -110,16 +110,16 @@ def _check(x, weight, casting_mode) -> None:
         raise ValueError(f"weight must be a contiguous ({x.shape[1]},) tensor, got shape {tuple(weight.shape)}")
 
 
-def _schedule(p, device) -> tuple[int, int]:
-    """``(grid, tasks_per_program)`` for a plan: at most one program per core and per row task.
+def _schedule(tiles, device) -> tuple[int, int]:
+    """``(grid, tasks_per_program)`` for a tiling: at most one program per core and per row task.
 
     The block-row schedule hands each program a contiguous slab of ``tasks_per_program`` row blocks;
     the grid is then trimmed so that no program's slab is empty.
     """
-    grid = config.grid_size(p.num_tasks, device)
-    tasks_per_program = config.cdiv(p.num_tasks, grid)
-    if p.path == "block_row":
-        grid = config.cdiv(p.num_tasks, tasks_per_program)
+    grid = config.grid_size(tiles.num_tasks, device)
+    tasks_per_program = config.cdiv(tiles.num_tasks, grid)
+    if tiles.path == "block_row":
+        grid = config.cdiv(tiles.num_tasks, tasks_per_program)
     return grid, tasks_per_program
 
 
@@ -131,8 +131,8 @@ def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, st
     res_out = torch.empty((M, N), dtype=x.dtype, device=x.device) if store_residual else y
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device) if store_rstd else None
     k = _kernels()
-    p = plan(M, N, x.dtype, op, path)
-    grid, tasks_per_program = _schedule(p, x.device)
+    tiles = choose_tiles(M, N, x.dtype, op, path)
+    grid, tasks_per_program = _schedule(tiles, x.device)
     has_res = residual is not None
     r = residual if has_res else x  # unused pointer when HAS_RESIDUAL is off
     common_args = (
@@ -140,17 +140,17 @@ def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, st
         M, N, x.stride(0), r.stride(0), y.stride(0), res_out.stride(0), float(eps), float(offset),
     )  # fmt: skip
     flags = {
-        "BLOCK_M": p.block_m,
-        "BLOCK_N": p.block_n,
+        "BLOCK_M": tiles.block_m,
+        "BLOCK_N": tiles.block_n,
         "CASTING": CASTING_CODES[casting_mode],
         "HAS_W": weight is not None,
         "HAS_RESIDUAL": has_res,
         "STORE_RESIDUAL": store_residual,
         "STORE_RSTD": store_rstd,
-        "EVEN_M": p.even_m,
-        "EVEN_N": p.even_n,
+        "EVEN_M": tiles.even_m,
+        "EVEN_N": tiles.even_n,
     }
-    if p.path == "partitioned":
+    if tiles.path == "partitioned":
         _launch.launch(k.rms_norm_fwd_partitioned_kernel, (grid,), *common_args, **flags)
     else:
         _launch.launch(
@@ -158,7 +158,7 @@ def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, st
             (grid,),
             *common_args,
             tasks_per_program,
-            BLOCK_ROW_SCHEDULE=p.path == "block_row",
+            BLOCK_ROW_SCHEDULE=tiles.path == "block_row",
             **flags,
         )
     return y, res_out, rstd
@@ -204,8 +204,8 @@ def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device) -> int:
     """Bytes of the fp32 dw partial buffer (grid x N x 4) that :func:`backward` allocates with a weight."""
     if m == 0:
         return 0
-    p = plan(m, n, dtype, "backward")
-    return _schedule(p, torch.device(device))[0] * n * 4
+    tiles = choose_tiles(m, n, dtype, "backward")
+    return _schedule(tiles, torch.device(device))[0] * n * 4
 
 
 def backward(x, dy, weight, rstd, offset, casting_mode):
@@ -223,9 +223,9 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
     has_w = weight is not None
     k = _kernels()
     rstd = rstd.to(torch.float32).contiguous()
-    p = plan(M, N, x.dtype, "backward")
-    grid, tasks_per_program = _schedule(p, x.device)
-    partitioned = p.path == "partitioned"
+    tiles = choose_tiles(M, N, x.dtype, "backward")
+    grid, tasks_per_program = _schedule(tiles, x.device)
+    partitioned = tiles.path == "partitioned"
     if has_w:
         # Partitioned programs accumulate into their row in place (needs zeros); tile programs
         # write their whole row once.
@@ -247,11 +247,11 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
         dx.stride(0),
     )
     flags = {
-        "BLOCK_M": p.block_m,
-        "BLOCK_N": p.block_n,
+        "BLOCK_M": tiles.block_m,
+        "BLOCK_N": tiles.block_n,
         "HAS_W": has_w,
-        "EVEN_M": p.even_m,
-        "EVEN_N": p.even_n,
+        "EVEN_M": tiles.even_m,
+        "EVEN_N": tiles.even_n,
     }
     if partitioned:
         cta_barrier = x.device.type == "cuda"
@@ -270,7 +270,7 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
             *args,
             float(offset),
             tasks_per_program,
-            BLOCK_ROW_SCHEDULE=p.path == "block_row",
+            BLOCK_ROW_SCHEDULE=tiles.path == "block_row",
             **flags,
         )
     if not has_w:

@@ -1,8 +1,9 @@
 """Tile sizing and path selection for the Ascend (triton-ascend) RMSNorm kernels.
 
 Everything here is plain Python (no triton import at module level), so the dispatch decisions can
-be unit-tested without a device. The launch code in :mod:`tilegym_rms.triton` calls :func:`plan`,
-which calls :func:`choose_path`; tests call the same functions to assert which path a shape takes.
+be unit-tested without a device. The launch code in :mod:`tilegym_rms.triton` calls
+:func:`choose_tiles`, which calls :func:`choose_path`; tests call the same functions to assert which
+path a shape takes.
 
 Sizing model. Each Ascend vector core owns a small Unified Buffer (UB): 192 KB on Atlas A2. A tile
 that does not fit fails to compile, so tiles are sized against a byte budget rather than tuned for
@@ -48,7 +49,7 @@ OPS = tuple(LIVE_TILES)
 
 
 def ub_bytes() -> int:
-    """The Unified Buffer size to plan for: ``TILEGYM_RMS_UB_BYTES`` if set, else 192 KB."""
+    """The Unified Buffer size that tiles are sized against: ``TILEGYM_RMS_UB_BYTES`` if set, else 192 KB."""
     value = os.environ.get(UB_BYTES_ENV, "").strip()
     if not value:
         return DEFAULT_UB_BYTES
@@ -90,8 +91,9 @@ def choose_path(M: int, N: int, dtype=None, op: str = "forward") -> str:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A launch plan: the path, the tile shape and the alignment flags the kernels specialize on."""
+class Tiling:
+    """How a launch tiles its input: the path, the tile shape and the alignment flags the kernels
+    specialize on."""
 
     path: str
     block_m: int
@@ -102,7 +104,7 @@ class Plan:
     even_n: bool  # N % block_n == 0: the column mask can be dropped at compile time
 
 
-def plan(M: int, N: int, dtype=None, op: str = "forward", path: str | None = None) -> Plan:
+def choose_tiles(M: int, N: int, dtype=None, op: str = "forward", path: str | None = None) -> Tiling:
     """The path from :func:`choose_path` (or ``path``, to force one) plus the tile shape for it.
 
     Block path: ``BLOCK_N = next_pow2(N)``; ``BLOCK_M`` fills the budget, capped by ``BLOCK_M_CAP``
@@ -125,7 +127,7 @@ def plan(M: int, N: int, dtype=None, op: str = "forward", path: str | None = Non
         cap = BLOCK_ROW_CAP if path == "block_row" else min(BLOCK_M_CAP, next_pow2(M))
         block_m = max(1, min(rows, cap))
     num_tasks = cdiv(M, block_m)
-    return Plan(path, block_m, block_n, num_tasks, M % block_m == 0, N % block_n == 0)
+    return Tiling(path, block_m, block_n, num_tasks, M % block_m == 0, N % block_n == 0)
 
 
 def reduce_block_n(N: int) -> int:
