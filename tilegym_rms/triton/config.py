@@ -175,3 +175,16 @@ def num_programs(device) -> int:
 def grid_size(num_tasks: int, device) -> int:
     """Programs to launch for ``num_tasks`` row tasks: never more than the tasks, never zero."""
     return max(1, min(num_programs(device), num_tasks))
+
+
+def schedule(tiles: Tiling, device) -> tuple[int, int]:
+    """``(grid, tasks_per_program)`` for a tiling: at most one program per core and per row task.
+
+    The block-row schedule hands each program a contiguous slab of ``tasks_per_program`` row blocks;
+    the grid is then trimmed so that no program's slab is empty.
+    """
+    grid = grid_size(tiles.num_tasks, device)
+    tasks_per_program = cdiv(tiles.num_tasks, grid)
+    if tiles.path == "block_row":
+        grid = cdiv(tiles.num_tasks, tasks_per_program)
+    return grid, tasks_per_program
