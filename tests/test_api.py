@@ -186,6 +186,7 @@ def test_cutile_launch_helper_warns_once_and_applies_compiler_hints(monkeypatch)
     seen = []
     monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: seen.append((stream, grid, kernel, args)))
     monkeypatch.setattr(launch, "_current_stream", lambda index: 1234 + index)
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)  # device 0 current, as the launches below ask
     monkeypatch.delenv(experimental.SILENCE_ENV, raising=False)
     experimental._reset_warnings()
     x = torch.randn(4, 8)

@@ -8,6 +8,7 @@ for the GPU tests in test_triton_gpu.py. Results are compared against
 """
 
 import os
+import types
 
 import pytest
 
@@ -493,7 +494,9 @@ def test_launch_helper_warns_for_npu_launches(monkeypatch):
     """What an Ascend user sees: the launch helper passes the tensors' device type to the registry."""
     monkeypatch.delenv(experimental.SILENCE_ENV, raising=False)
     experimental._reset_warnings()
-    monkeypatch.setattr(launch_mod, "_device_type", lambda args: "npu")
+    monkeypatch.setattr(launch_mod, "_device_of", lambda args: types.SimpleNamespace(type="npu", index=0))
+    # torch_npu's torch.npu, with device 0 current: the launch needs no other device made current.
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(current_device=lambda: 0), raising=False)
 
     class FakeKernel:
         def __getitem__(self, grid):
