@@ -33,6 +33,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from conftest import rel_err, strided  # noqa: E402
+from test_batch_invariance import assert_rows_invariant, plain_ops, row_probes, weight_of  # noqa: E402
 
 pytest.importorskip("triton")
 pytest.importorskip("numpy", reason="the Triton interpreter needs numpy")
@@ -444,6 +445,28 @@ def test_fused_add_fp16_no_weight_no_rstd(ub, ub_bytes, mode):
     assert rel_err(y, y_ref) <= 4e-3
     if mode == "pre":
         assert torch.equal(res_out, res_ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# Batch invariance (the checker: test_batch_invariance.py)
+# ------------------------------------------------------------------------------------------------
+
+# Ms that reach every row tile of the block path (1 to 16 rows, with and without the row mask), the block-row
+# path (N = 16 only: the interpreter is slow), and the column chunks (UB_TINY; one row per tile at every M).
+INVARIANCE_CASES = [
+    pytest.param(16, None, [1, 2, 3, 5, 9, 17, config.BLOCK_ROW_MIN_M + 1], id="16-block_row"),
+    pytest.param(123, None, [1, 2, 3, 4, 5, 8, 9, 16, 17], id="123"),
+    pytest.param(123, UB_TINY, [1, 2, 3, 17], id="123-partitioned"),
+]
+
+
+@pytest.mark.parametrize("op_name", ["forward", "backward", "fused_add", "in_place"])
+@pytest.mark.parametrize(("N", "ub_bytes", "ms"), INVARIANCE_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_are_batch_invariant(ub, dtype, N, ub_bytes, ms, op_name):
+    ub(ub_bytes)
+    op = plain_ops(weight_of(N, dtype), backend="triton")[op_name]
+    assert_rows_invariant(op, row_probes(N, dtype), ms, describe=lambda m: config.plan(m, N, dtype))
 
 
 # ------------------------------------------------------------------------------------------------

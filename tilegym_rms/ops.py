@@ -229,6 +229,10 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
     Returns:
         ``y``, with the shape and dtype of ``x``. Empty inputs (any dim 0) give empty outputs.
 
+    Batch invariant: a row's ``y`` (and its gradient) is the same bits whatever other rows share the call
+    and however many (README, "Batch invariance"); the weight's gradient, a sum over the rows, is only
+    deterministic.
+
     Double backward (``create_graph=True``) works in eager mode (the backward is then computed with
     torch math); ``torch.compile`` does not support it.
     """
@@ -460,7 +464,7 @@ def fused_add_rms_norm(
     ``residual`` may have another floating dtype than ``x`` (an fp32 residual stream beside 16-bit
     activations): the sum is taken in the promoted dtype and kept in ``residual``'s dtype, so
     ``residual_out`` (mode "pre") has ``residual``'s dtype and ``y`` has ``x``'s. Other arguments as
-    :func:`rms_norm`.
+    :func:`rms_norm`. Batch invariant as :func:`rms_norm`: a row's ``y``, ``residual_out`` and gradients.
     """
     eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
     _checks.check_like("residual", residual, x)
@@ -749,7 +753,8 @@ def qk_rms_norm(q, k, q_weight=None, k_weight=None, eps=1e-6, *, offset=0.0, cas
 
     On the ``cutile`` backend both tensors take one launch forward and one backward (plus the dw
     reduction, one launch for both weights); other backends normalize each tensor with their plain norm.
-    DTensor inputs take :func:`rms_norm` on each tensor.
+    DTensor inputs take :func:`rms_norm` on each tensor. Batch invariant as :func:`rms_norm`: a token's heads
+    give the same bits (outputs and gradients) whatever the batch and sequence sizes.
     """
     eps, offset = _checks.check_inputs(q, q_weight, eps, offset, casting_mode)
     _checks.check_qk_pair(q, k)
