@@ -113,6 +113,7 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
     (a training call's), read from the host path itself, are among the variants the compile check builds."""
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import launch, tuning
+    from tilegym_rms.cutile.tuning import build
 
     # the constants: after the arrays and scalars (8 of a forward, 10 of the qk forward, 12 of its backward)
     skip = {"qk_rms_norm_fwd": 10, "qk_rms_norm_bwd": 12, "rms_norm_bwd_column_chunk": 9, "rms_norm_bwd_row_dot": 6}
@@ -145,9 +146,9 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
         monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
         monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
         cutile.clear_caches()
-        tokens = tuning.qk_sweep_tokens(m)
+        tokens = build.qk_sweep_tokens(m)
         with tuning.use_table("packaged"):
-            c = cutile._qk_config(0, tokens * tuning.QK_SWEEP_HEADS[0], tokens * tuning.QK_SWEEP_HEADS[1], d, dtype)
+            c = cutile._qk_config(0, tokens * build.QK_SWEEP_HEADS[0], tokens * build.QK_SWEEP_HEADS[1], d, dtype)
         assert ("qk_rms_norm_fwd", (c.fwd_tile_m, c.tile_n, 0, True, True), c.fwd_hints) in compiled, (key, m, d, c)
         assert ("qk_rms_norm_bwd", (c.bwd_tile_m, c.tile_n, True, True), c.bwd_hints) in compiled, (key, m, d, c)
         checked["qk"] += 1
@@ -168,8 +169,9 @@ def _odd_table():
     import torch
 
     from tilegym_rms.cutile import config, tuning
+    from tilegym_rms.cutile.tuning import build
 
-    doc = tuning.new_doc("sm90_132sm", "test", (9, 0), 132, "measured", "test")
+    doc = build.new_doc("sm90_132sm", "test", (9, 0), 132, "measured", "test")
     gather = config.ForwardCandidate("gather", 1, 2048, 0, 0, 16, 2)
     persistent = config.ForwardCandidate("persistent", 32, 1024, 0, 4, 1, 4)
     for op, n_b, cand in (
@@ -179,7 +181,7 @@ def _odd_table():
         ("fused_forward", 1024, persistent),
         ("qk", 64, config.QKCandidate(512, 64, 3, 1, 1, 4)),  # 512 x 64: twice the heuristics' largest tile
     ):
-        tuning.set_runs(doc, op, "bf16", n_b, [{"m": 4096, "winner": asdict(cand), "gbps": {"x": 1.0}}])
+        build.set_runs(doc, op, "bf16", n_b, [{"m": 4096, "winner": asdict(cand), "gbps": {"x": 1.0}}])
     assert config.forward_candidate(4096, 2048, torch.bfloat16, 132) != gather
     return tuning.load(doc)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tilegym_rms.cutile import config, tuning
+from tilegym_rms.cutile.tuning import build
 
 SMS = 132
 BF16 = torch.bfloat16
@@ -136,12 +137,12 @@ def test_overlay_keeps_the_heuristics_switches_and_applies_measured_winners():
     heuristics change their choice between measured buckets the analytic choice stays; elsewhere the
     measured winner holds, including above the last measured bucket."""
     sms, n, dtype = 132, 4096, torch.bfloat16
-    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), sms, "test")
-    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), sms, "measured", "sweep")
+    base = build.analytic_doc("sm90_132sm", "test", (9, 0), sms, "test")
+    sweep = build.new_doc("sm90_132sm", "test", (9, 0), sms, "measured", "sweep")
     fancy = {m: asdict(config.forward_candidate(m, n, dtype, sms, "persistent")) for m in (4096, 32768)}
     fancy = {m: {**c, "blocks_per_sm": c["blocks_per_sm"] * 2} for m, c in fancy.items()}
-    tuning.set_runs(sweep, "forward", "bf16", n, [{"m": m, "winner": c, "gbps": {"x": 1.0}} for m, c in fancy.items()])
-    table = tuning.load(tuning.overlay(base, sweep))
+    build.set_runs(sweep, "forward", "bf16", n, [{"m": m, "winner": c, "gbps": {"x": 1.0}} for m, c in fancy.items()])
+    table = tuning.load(build.overlay(base, sweep))
     analytic = {m: asdict(config.forward_candidate(m, n, dtype, sms)) for m in tuning.M_BUCKETS}
     for m in tuning.M_BUCKETS:
         got = asdict(table.lookup("forward", m, n, dtype))
@@ -162,16 +163,16 @@ def test_overlay_keeps_the_bases_measurements_nearer_than_the_sweeps():
     (A sweep winner at 2**15 that replaced a 2**20 measurement slowed 2**21 rows by 8%: PERFORMANCE.md, "Tuning
     tables".)"""
     sms, n, dtype = 132, 64, torch.float16
-    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), sms, "test")
+    base = build.analytic_doc("sm90_132sm", "test", (9, 0), sms, "test")
     analytic = asdict(config.forward_candidate(1 << 15, n, dtype, sms, "persistent"))
     measured_far = {**analytic, "blocks_per_sm": 128}
     base_runs = [r for r in base["forward"]["fp16"][str(n)] if r["m"] < 1 << 20]
     base_far = {"m": 1 << 20, "winner": measured_far, "gbps": {"far": 2.0}}
-    tuning.set_runs(base, "forward", "fp16", n, [*base_runs, base_far])
+    build.set_runs(base, "forward", "fp16", n, [*base_runs, base_far])
     swept = {**analytic, "tile_m": analytic["tile_m"] * 2}
-    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), sms, "measured", "sweep")
-    tuning.set_runs(sweep, "forward", "fp16", n, [{"m": 1 << 15, "winner": swept, "gbps": {"near": 1.0}}])
-    out = tuning.overlay(base, sweep)
+    sweep = build.new_doc("sm90_132sm", "test", (9, 0), sms, "measured", "sweep")
+    build.set_runs(sweep, "forward", "fp16", n, [{"m": 1 << 15, "winner": swept, "gbps": {"near": 1.0}}])
+    out = build.overlay(base, sweep)
     table = tuning.load(out)
     before = tuning.load(base)
     for m in tuning.M_BUCKETS:
@@ -208,7 +209,7 @@ def test_shipped_tables_load_and_cover_every_bucket():
     for key, doc in tables.items():
         table = tuning.packaged(key)
         assert table.key == key and doc["device"]["key"] == key
-        for op in tuning.ANALYTIC_OPS:
+        for op in build.ANALYTIC_OPS:
             for dt in tuning.DTYPES:
                 for n_b in tuning.N_BUCKETS:
                     runs = doc[op][dt][str(n_b)]
@@ -263,8 +264,8 @@ def test_the_product_launches_the_tables_winner(host, m, n):
 
 
 def one_entry(op, dt, n_b, cand, m=1):
-    doc = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "test")
-    tuning.set_runs(doc, op, dt, n_b, [{"m": m, "winner": asdict(cand), "gbps": {}}])
+    doc = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "test")
+    build.set_runs(doc, op, dt, n_b, [{"m": m, "winner": asdict(cand), "gbps": {}}])
     return doc
 
 
@@ -331,7 +332,7 @@ def test_a_card_without_its_own_table_runs_its_classs(card, monkeypatch):
 def test_use_table_reads_a_file(host, tmp_path):
     odd = config.BackwardCandidate("persistent", 4, 4096, 1024, 1, 0, 4)
     path = tmp_path / "t.json"
-    tuning.write(one_entry("backward", "fp16", 5120, odd), path)
+    build.write(one_entry("backward", "fp16", 5120, odd), path)
     with tuning.use_table(str(path)):
         b = host._backward_config(0, 1 << 20, 5000, torch.float16)
         assert (b.tile_m, b.tile_n, b.tail_n, b.grid, b.hints) == (4, 4096, 1024, SMS, (("num_worker_warps", 4),))
@@ -385,50 +386,50 @@ def test_candidates_start_with_the_heuristics_and_are_valid():
     for op in ("forward", "backward", "fused_forward"):
         for n_b in (64, 1024, 4224, 5120, 12288, 40960):
             for m_b in (1, 4096, 65536):
-                cands = tuning.candidates(op, m_b, n_b, BF16, SMS)
+                cands = build.candidates(op, m_b, n_b, BF16, SMS)
                 analytic = (config.forward_candidate if op in tuning.FORWARD_OPS else config.backward_candidate)(
                     m_b, n_b, BF16, SMS
                 )
                 assert cands[0] == analytic and len(set(cands)) == len(cands) and 2 <= len(cands) <= 5
                 assert all(tuning.candidate_error(op, c, n_b) is None for c in cands)
-    kinds = {c.kernel for c in tuning.candidates("forward", 4096, 4096, BF16, SMS)}
+    kinds = {c.kernel for c in build.candidates("forward", 4096, 4096, BF16, SMS)}
     assert kinds == {"gather", "persistent"}
-    plans = {c.plan for c in tuning.candidates("backward", 8, 1024, BF16, SMS)}
+    plans = {c.plan for c in build.candidates("backward", 8, 1024, BF16, SMS)}
     assert plans == {"direct", "persistent"}
 
 
 def test_select_winner_keeps_the_analytic_choice_within_the_noise():
-    assert tuning.select_winner({"a": 100.0, "b": 100.5}, "a") == "a"
-    assert tuning.select_winner({"a": 100.0, "b": 102.0}, "a") == "b"
-    assert tuning.select_winner({"a": 100.0, "b": 102.0}, "a", min_gain=0.05) == "a"
-    assert tuning.select_winner({"b": 90.0, "c": 95.0}, "a") == "c"  # the analytic one failed to run
+    assert build.select_winner({"a": 100.0, "b": 100.5}, "a") == "a"
+    assert build.select_winner({"a": 100.0, "b": 102.0}, "a") == "b"
+    assert build.select_winner({"a": 100.0, "b": 102.0}, "a", min_gain=0.05) == "a"
+    assert build.select_winner({"b": 90.0, "c": 95.0}, "a") == "c"  # the analytic one failed to run
     with pytest.raises(ValueError):
-        tuning.select_winner({}, "a")
+        build.select_winner({}, "a")
 
 
 def test_merge_and_write(tmp_path):
-    analytic = tuning.analytic_doc("sm90_132sm", "x", (9, 0), SMS, "test")
+    analytic = build.analytic_doc("sm90_132sm", "x", (9, 0), SMS, "test")
     cand = config.ForwardCandidate("persistent", 8, 2048, 0, 4, 2, 0)
-    sweep1 = tuning.new_doc("sm90_132sm", "x", (9, 0), SMS, "measured", "sweep 1")
-    tuning.set_runs(sweep1, "forward", "bf16", 2048, [{"m": 1, "winner": asdict(cand), "gbps": {"l": 1.0}}])
-    merged = tuning.merge(analytic, sweep1)
+    sweep1 = build.new_doc("sm90_132sm", "x", (9, 0), SMS, "measured", "sweep 1")
+    build.set_runs(sweep1, "forward", "bf16", 2048, [{"m": 1, "winner": asdict(cand), "gbps": {"l": 1.0}}])
+    merged = build.merge(analytic, sweep1)
     assert merged["source"] == "mixed" and merged["generated_by"] == "sweep 1"
     assert merged["forward"]["bf16"]["2048"] == sweep1["forward"]["bf16"]["2048"]  # measured replaces analytic
     assert merged["forward"]["bf16"]["4096"] == analytic["forward"]["bf16"]["4096"]
-    sweep2 = tuning.new_doc("sm90_132sm", "x", (9, 0), SMS, "measured", "sweep 2")
+    sweep2 = build.new_doc("sm90_132sm", "x", (9, 0), SMS, "measured", "sweep 2")
     later = [{"m": 1, "winner": asdict(cand), "gbps": {"l": 2.0}}, {"m": 64, "winner": asdict(cand), "gbps": {}}]
-    tuning.set_runs(sweep2, "forward", "bf16", 2048, later)
-    runs = tuning.merge(merged, sweep2)["forward"]["bf16"]["2048"]
+    build.set_runs(sweep2, "forward", "bf16", 2048, later)
+    runs = build.merge(merged, sweep2)["forward"]["bf16"]["2048"]
     assert [(r["m"], r["gbps"]) for r in runs] == [(1, {"l": 2.0}), (64, {})]  # by M, the newer wins
     with pytest.raises(tuning.TuningTableError, match="cannot merge"):
-        tuning.merge(analytic, tuning.new_doc("sm100_148sm", "y", (10, 0), 148, "measured", ""))
+        build.merge(analytic, build.new_doc("sm100_148sm", "y", (10, 0), 148, "measured", ""))
     path = tmp_path / "t.json"
-    tuning.write(merged, path)
+    build.write(merged, path)
     assert json.loads(path.read_text()) == merged and tuning.load(path).lookup("forward", 1, 2000, BF16) == cand
     bad = json.loads(json.dumps(merged))
     bad["forward"]["bf16"]["2048"][0]["winner"]["tile_n"] = 1024
     with pytest.raises(tuning.TuningTableError):
-        tuning.write(bad, tmp_path / "bad.json")
+        build.write(bad, tmp_path / "bad.json")
     assert not (tmp_path / "bad.json").exists()
 
 
@@ -439,10 +440,10 @@ def test_a_sweep_on_another_card_of_the_same_key_is_refused(tune_table, tmp_path
     shipped_doc = shipped()["sm90_132sm"]
     sweeps = {}
     for card in ("NVIDIA H200", shipped_doc["device"]["name"]):
-        sweep = tuning.new_doc("sm90_132sm", card, (9, 0), SMS, "measured", "sweep")
-        tuning.set_runs(sweep, "forward", "bf16", 2048, [{"m": 8192, "winner": asdict(cand), "gbps": {"l": 1.0}}])
+        sweep = build.new_doc("sm90_132sm", card, (9, 0), SMS, "measured", "sweep")
+        build.set_runs(sweep, "forward", "bf16", 2048, [{"m": 8192, "winner": asdict(cand), "gbps": {"l": 1.0}}])
         sweeps[card] = tmp_path / f"{len(sweeps)}.json"
-        tuning.write(sweep, sweeps[card])
+        build.write(sweep, sweeps[card])
     base = REPO / "tilegym_rms" / "cutile" / "tuning" / "sm90_132sm.json"
     out = tmp_path / "table.json"
     with pytest.raises(tuning.TuningTableError, match="measured on 'NVIDIA H200'"):
@@ -469,18 +470,18 @@ def test_a_cards_first_table_starts_from_its_classs(tune_table, tmp_path):
     challenger = config.BackwardCandidate("persistent", 4, 4096, 0, 1, 1, 8)
     assert challenger != incumbent
     h200 = {"key": "sm90_132sm.nvidia-h200", "name": "NVIDIA H200", "capability": [9, 0], "sms": SMS}
-    sweep = tuning.new_doc(h200["key"], h200["name"], (9, 0), SMS, "measured", "h200 sweep")
-    gbps = {tuning.label("backward", incumbent): 3000.0, tuning.label("backward", challenger): 3300.0}
-    tuning.set_runs(sweep, "backward", "bf16", n, [{"m": m, "winner": asdict(challenger), "gbps": gbps}])
+    sweep = build.new_doc(h200["key"], h200["name"], (9, 0), SMS, "measured", "h200 sweep")
+    gbps = {build.label("backward", incumbent): 3000.0, build.label("backward", challenger): 3300.0}
+    build.set_runs(sweep, "backward", "bf16", n, [{"m": m, "winner": asdict(challenger), "gbps": gbps}])
     sweep_path, out = tmp_path / "h200.json", tmp_path / "sm90_132sm.nvidia-h200.json"
-    tuning.write(sweep, sweep_path)
+    build.write(sweep, sweep_path)
     assert tune_table.main(["--overlay", str(sweep_path), "--base", str(base), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["device"] == h200 and doc["based_on"]["name"] == H100
     table = tuning.load(doc)
     assert table.lookup("backward", m, n, BF16) == challenger
     assert table.lookup("backward", m // 2, n, BF16) == class_table.lookup("backward", m // 2, n, BF16)
-    analytic = tuning.load(tuning.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test"))
+    analytic = tuning.load(build.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test"))
     points = [(op, dt, nb, mb) for op in ("forward", "backward") for dt in (BF16, torch.float32)
               for nb in (896, 2304, 6144) for mb in (1, 8192, 32768)]  # fmt: skip
     for op, dt, nb, mb in points:
@@ -489,7 +490,7 @@ def test_a_cards_first_table_starts_from_its_classs(tune_table, tmp_path):
     assert any(class_table.lookup(op, mb, nb, dt) != analytic.lookup(op, mb, nb, dt) for op, dt, nb, mb in points)
     assert all("gbps" not in r for r in doc["forward"]["bf16"]["2304"])
     with pytest.raises(tuning.TuningTableError, match="not the key of a card of class"):
-        tuning.card_start(class_table.doc, {**h200, "key": "sm100_148sm.nvidia-b200"})
+        build.card_start(class_table.doc, {**h200, "key": "sm100_148sm.nvidia-b200"})
 
 
 # --- the fused add's forward: its own entry, then the plain forward's, then the heuristics ---
@@ -518,7 +519,7 @@ def test_fused_forward_takes_its_entry_then_the_forward_entry_then_the_heuristic
     fused = config.ForwardCandidate("gather", 1, 8192, 0, 0, 16, 4)  # neither the heuristics' nor the forward's
     plain = config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)
     doc = one_entry("forward", "bf16", 4224, plain)
-    tuning.set_runs(doc, "fused_forward", "bf16", 4224, [{"m": 1, "winner": asdict(fused), "gbps": {}}])
+    build.set_runs(doc, "fused_forward", "bf16", 4224, [{"m": 1, "winner": asdict(fused), "gbps": {}}])
     pre, post = host._ADD_MODES["pre"], host._ADD_MODES["post"]
     with tuning.use_table(doc):
         # plain first, then fused, from one cache: the two configs must not be confused
@@ -539,10 +540,10 @@ def test_fused_forward_takes_its_entry_then_the_forward_entry_then_the_heuristic
 
 
 def test_the_analytic_table_writes_no_fused_forward_entry():
-    doc = tuning.analytic_doc("sm90_132sm", "x", (9, 0), SMS, "test")
+    doc = build.analytic_doc("sm90_132sm", "x", (9, 0), SMS, "test")
     assert "fused_forward" in tuning.OPS and not doc["fused_forward"]
     assert tuning.load(doc).lookup("fused_forward", 4096, 4096, BF16) is None
-    assert '"fused_forward"' in tuning.dumps(doc)  # empty but present: the sweep fills it
+    assert '"fused_forward"' in build.dumps(doc)  # empty but present: the sweep fills it
 
 
 def test_an_invalid_fused_forward_entry_says_what_is_wrong():
@@ -558,17 +559,17 @@ def test_overlay_of_a_fused_sweep_follows_the_forward_entry_elsewhere():
     where the forward's choice changes, the fused entry repeats the forward's (what the fallback gave); the
     forward entry is untouched."""
     n = 4096
-    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
-    fwd_sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep 1")
+    base = build.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
+    fwd_sweep = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep 1")
     measured_fwd = {**asdict(config.forward_candidate(4096, n, BF16, SMS)), "occupancy": 4}
-    tuning.set_runs(fwd_sweep, "forward", "bf16", n, [{"m": 4096, "winner": measured_fwd, "gbps": {"a": 1.0}}])
-    shipped_like = tuning.overlay(base, fwd_sweep)
-    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep 2")
+    build.set_runs(fwd_sweep, "forward", "bf16", n, [{"m": 4096, "winner": measured_fwd, "gbps": {"a": 1.0}}])
+    shipped_like = build.overlay(base, fwd_sweep)
+    sweep = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep 2")
     fused = {m: {**asdict(config.forward_candidate(m, n, BF16, SMS, "persistent")), "tile_m": 8} for m in (4096, 32768)}
-    tuning.set_runs(
+    build.set_runs(
         sweep, "fused_forward", "bf16", n, [{"m": m, "winner": c, "gbps": {"b": 1.0}} for m, c in fused.items()]
     )
-    out = tuning.overlay(shipped_like, sweep)
+    out = build.overlay(shipped_like, sweep)
     assert out["forward"] == shipped_like["forward"] and out["backward"] == base["backward"]
     table, before = tuning.load(out), tuning.load(shipped_like)
     for m in tuning.M_BUCKETS:
@@ -638,7 +639,7 @@ def test_an_invalid_qk_entry_says_what_is_wrong(change, message):
 def test_qk_candidates_vary_each_half_around_the_heuristics():
     for d, m_b in ((64, 4096), (128, 32768), (256, 1 << 20), (1024, 1 << 22)):
         base = config.qk_candidate(m_b, d, BF16, SMS)
-        cands = tuning.candidates("qk", m_b, d, BF16, SMS)
+        cands = build.candidates("qk", m_b, d, BF16, SMS)
         assert cands[0] == base and len(set(cands)) == len(cands) == 11
         assert all(tuning.candidate_error("qk", c, d) is None for c in cands)
         for side, other in (("fwd", "bwd"), ("bwd", "fwd")):
@@ -651,16 +652,16 @@ def test_qk_candidates_vary_each_half_around_the_heuristics():
                 for c in cands
                 if getattr(c, f"{side}_tile_m") != t
             )
-    assert tuning.label("qk", QK_ODD) == "fwd 512r b3 o0 | bwd 8r b1 o4"
+    assert build.label("qk", QK_ODD) == "fwd 512r b3 o0 | bwd 8r b1 o4"
 
 
 def test_overlay_of_a_qk_sweep_keeps_the_heuristics_where_they_change():
-    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
+    base = build.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
     assert not base["qk"]  # absence means the heuristics
-    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
+    sweep = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
     runs = [{"m": m, "winner": asdict(QK_ODD), "gbps": {"fwd 1r b1 o0": 1.0}} for m in (4096, 1 << 20)]
-    tuning.set_runs(sweep, "qk", "bf16", 64, runs)
-    table = tuning.load(tuning.overlay(base, sweep))
+    build.set_runs(sweep, "qk", "bf16", 64, runs)
+    table = tuning.load(build.overlay(base, sweep))
     for m in tuning.M_BUCKETS:
         got, analytic = table.lookup("qk", m, 64, BF16), config.qk_candidate(m, 64, BF16, SMS)
         ref = max([r for r in (4096, 1 << 20) if r <= m], default=None)
@@ -689,7 +690,7 @@ def test_the_sweep_plans_the_new_ops_points_and_timings(tune_table):
     assert points["fused_forward"] == points["forward"]  # the same buckets, the plain forward's candidates
     qk_ms = (4096, 32768)  # a single row is no q and k of 16 and 4 heads
     assert points["qk"] == [("bf16", d, m) for d in tune_table.QK_N for m in qk_ms]
-    assert tuning.qk_sweep_tokens(4096) * 20 in range(2049, 4097) and tuning.qk_sweep_tokens(16) == 0
+    assert build.qk_sweep_tokens(4096) * 20 in range(2049, 4097) and build.qk_sweep_tokens(16) == 0
     got = {op: tune_table.plan([op], points, SMS) for op in ops}
     assert got["fused_forward"]["timings"] == got["forward"]["timings"]
     assert got["fused_forward"]["points"] == got["forward"]["points"]
@@ -700,7 +701,7 @@ def test_the_sweep_plans_the_new_ops_points_and_timings(tune_table):
 
 
 def test_the_qk_winner_takes_the_best_half_each_way_on_fake_timings(tune_table):
-    cands = tuning.candidates("qk", 32768, 128, BF16, SMS)
+    cands = build.candidates("qk", 32768, 128, BF16, SMS)
     base = cands[0]
     gbps = {label: 100.0 for c in cands for label in tune_table.timed_parts("qk", [c])}
     fast_fwd = next(
@@ -709,12 +710,12 @@ def test_the_qk_winner_takes_the_best_half_each_way_on_fake_timings(tune_table):
     fast_bwd = next(
         c for c in cands if c.bwd_tile_m == base.bwd_tile_m // 2 and c.bwd_blocks_per_sm == 2 * base.bwd_blocks_per_sm
     )
-    gbps[tuning.qk_half_label(fast_fwd, "fwd")] = 110.0
-    gbps[tuning.qk_half_label(fast_bwd, "bwd")] = 100.5  # within the 1% margin: the heuristics' half stays
+    gbps[build.qk_half_label(fast_fwd, "fwd")] = 110.0
+    gbps[build.qk_half_label(fast_bwd, "bwd")] = 100.5  # within the 1% margin: the heuristics' half stays
     won = tune_table.qk_winner(cands, gbps, 0.01)
     assert (won.fwd_tile_m, won.fwd_blocks_per_sm) == (2 * base.fwd_tile_m, base.fwd_blocks_per_sm)
     assert (won.bwd_tile_m, won.bwd_blocks_per_sm) == (base.bwd_tile_m, base.bwd_blocks_per_sm)
-    gbps[tuning.qk_half_label(fast_bwd, "bwd")] = 120.0
+    gbps[build.qk_half_label(fast_bwd, "bwd")] = 120.0
     won = tune_table.qk_winner(cands, gbps, 0.01)
     assert (won.bwd_tile_m, won.bwd_blocks_per_sm) == (base.bwd_tile_m // 2, 2 * base.bwd_blocks_per_sm)
     assert won not in cands  # a pair never timed together: the halves are independent launches
@@ -753,10 +754,10 @@ def test_overlay_with_the_shipped_table_as_base_keeps_its_measured_entries(tune_
     shipped_doc = json.loads(shipped_path.read_text())
     base_path = tmp_path / "sm90_132sm.json"
     base_path.write_text(shipped_path.read_text())
-    sweep = tuning.new_doc("sm90_132sm", shipped_doc["device"]["name"], (9, 0), SMS, "measured", "sweep 2")
+    sweep = build.new_doc("sm90_132sm", shipped_doc["device"]["name"], (9, 0), SMS, "measured", "sweep 2")
     fused = asdict(config.forward_candidate(4096, 5120, BF16, SMS, "gather"))
-    tuning.set_runs(sweep, "fused_forward", "bf16", 5120, [{"m": 4096, "winner": fused, "gbps": {"g": 1.0}}])
-    tuning.set_runs(sweep, "qk", "bf16", 64, [{"m": 32768, "winner": asdict(QK_ODD), "gbps": {"fwd": 1.0}}])
+    build.set_runs(sweep, "fused_forward", "bf16", 5120, [{"m": 4096, "winner": fused, "gbps": {"g": 1.0}}])
+    build.set_runs(sweep, "qk", "bf16", 64, [{"m": 32768, "winner": asdict(QK_ODD), "gbps": {"fwd": 1.0}}])
     sweep_path = tmp_path / "sweep2.json"
     sweep_path.write_text(json.dumps(sweep))
     assert tune_table.main(["--overlay", str(sweep_path), "--base", str(base_path), "--out", str(base_path)]) == 0
@@ -797,8 +798,8 @@ def test_a_sweep_command_reaches_the_sweep(tune_table, monkeypatch, tmp_path):
     "op, m, n", [("forward", 1 << 20, 128), ("forward", 4096, 4096), ("backward", 1 << 18, 64), ("qk", 32768, 128)]
 )
 def test_wide_candidates_extend_the_quick_ones(op, m, n):
-    quick = tuning.candidates(op, m, n, BF16, SMS)
-    wide = tuning.candidates(op, m, n, BF16, SMS, wide=True)
+    quick = build.candidates(op, m, n, BF16, SMS)
+    wide = build.candidates(op, m, n, BF16, SMS, wide=True)
     assert wide[0] == quick[0]  # the analytic choice first: the winner must beat it
     assert set(quick) < set(wide)
     assert all(tuning.candidate_error(op, c, n) is None for c in wide)
@@ -820,7 +821,7 @@ def test_wide_candidates_extend_the_quick_ones(op, m, n):
 def test_wide_forward_candidates_try_a_padded_row_as_tile_and_tail(n, split):
     """Rows padded to a power of two (the analytic forward splits only the widest) are also timed as a tile
     plus a tail tile; a power-of-two row has no split to try."""
-    cands = tuning.candidates("forward", 16384, n, BF16, SMS, wide=True)
+    cands = build.candidates("forward", 16384, n, BF16, SMS, wide=True)
     tails = {(c.tile_n, c.tail_n) for c in cands if c.kernel == "persistent" and c.tail_n}
     assert tails == ({split} if split else set())
     assert all(tuning.candidate_error("forward", c, n) is None for c in cands)
@@ -834,8 +835,8 @@ def test_wide_candidates_build_each_persistent_tile_at_one_block_per_sm(op, n):
     SM, with eight warps and with the compiler's warps at occupancy 1 (the deepest ring of load stages as
     launched, PERFORMANCE.md, "Toolchain"); the quick set has neither."""
     kind = "kernel" if op == "forward" else "plan"
-    wide = tuning.candidates(op, 32768, n, BF16, SMS, wide=True)
-    quick = tuning.candidates(op, 32768, n, BF16, SMS)
+    wide = build.candidates(op, 32768, n, BF16, SMS, wide=True)
+    quick = build.candidates(op, 32768, n, BF16, SMS)
     persistent = [c for c in wide if getattr(c, kind) == "persistent"]
     default_shapes = {(c.tile_m, c.tile_n, c.tail_n) for c in persistent if not c.num_worker_warps}
     for warps in (8, 0):
@@ -851,13 +852,13 @@ def _backward_sweep_over(incumbent_gbps: float, challenger_gbps: float, min_gain
     """The shipped-style base (the analytic table) re-timed at one bucket by a sweep whose winner is another
     candidate; returns (incumbent, challenger, the overlaid table)."""
     n, m = 4096, 32768
-    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
+    base = build.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
     incumbent = config.backward_candidate(m, n, BF16, SMS)
     challenger = config.BackwardCandidate("persistent", 4, 4096, 0, 1, 1, 8)
-    gbps = {tuning.label("backward", incumbent): incumbent_gbps, tuning.label("backward", challenger): challenger_gbps}
-    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
-    tuning.set_runs(sweep, "backward", "bf16", n, [{"m": m, "winner": asdict(challenger), "gbps": gbps}])
-    return incumbent, challenger, tuning.load(tuning.overlay(base, sweep, min_gain))
+    gbps = {build.label("backward", incumbent): incumbent_gbps, build.label("backward", challenger): challenger_gbps}
+    sweep = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
+    build.set_runs(sweep, "backward", "bf16", n, [{"m": m, "winner": asdict(challenger), "gbps": gbps}])
+    return incumbent, challenger, tuning.load(build.overlay(base, sweep, min_gain))
 
 
 @pytest.mark.parametrize("gain, kept", [(1.004, True), (1.009, True), (1.011, False), (1.05, False), (0.99, True)])
@@ -873,20 +874,20 @@ def test_overlay_keeps_the_incumbent_unless_the_sweep_beats_it_by_min_gain(gain,
 
 def test_overlay_takes_the_sweeps_winner_where_the_incumbent_was_not_timed():
     n, m = 4096, 32768
-    base = tuning.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
+    base = build.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
     challenger = config.BackwardCandidate("persistent", 4, 4096, 0, 1, 1, 8)
-    sweep = tuning.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
-    run = {"m": m, "winner": asdict(challenger), "gbps": {tuning.label("backward", challenger): 1.0}}
-    tuning.set_runs(sweep, "backward", "bf16", n, [run])
-    assert tuning.load(tuning.overlay(base, sweep)).lookup("backward", m, n, BF16) == challenger
+    sweep = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
+    run = {"m": m, "winner": asdict(challenger), "gbps": {build.label("backward", challenger): 1.0}}
+    build.set_runs(sweep, "backward", "bf16", n, [run])
+    assert tuning.load(build.overlay(base, sweep)).lookup("backward", m, n, BF16) == challenger
 
 
 def test_the_qk_sweep_times_the_views_the_product_launches(tune_table):
     """The sweep calls the cuTile host directly, so it must hand it the views ``qk_rms_norm`` would: for the
     dense q and k it builds, ops merges (tokens, heads, D) into (tokens * heads, 1, D) rows. An earlier
     sweep timed the head-strided (tokens, 16, D) walk instead, and its winners did not transfer."""
-    q = torch.randn(8, tuning.QK_SWEEP_HEADS[0], 64)
+    q = torch.randn(8, build.QK_SWEEP_HEADS[0], 64)
     got = tune_table.qk_product_views(q)
-    assert got.shape == (8 * tuning.QK_SWEEP_HEADS[0], 1, 64) and got.data_ptr() == q.data_ptr()
+    assert got.shape == (8 * build.QK_SWEEP_HEADS[0], 1, 64) and got.data_ptr() == q.data_ptr()
     sliced = torch.randn(8, 3 * 16 * 64)[:, : 16 * 64].view(8, 16, 64)  # q of a fused qkv projection
     assert tune_table.qk_product_views(sliced).shape == (8, 16, 64)  # rows not one run: kept as heads

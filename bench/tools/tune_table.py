@@ -1,6 +1,6 @@
 """Write a cuTile tuning table (``tilegym_rms/cutile/tuning/<key>.json``): time candidates per bucket on a GPU.
 
-For each (op, dtype, N bucket, M bucket) the sweep times the candidates of ``tuning.candidates`` (the
+For each (op, dtype, N bucket, M bucket) the sweep times the candidates of ``build.candidates`` (the
 analytic choice first, then a few neighbours of each kernel or plan) through the product's own host path,
 each installed as a one-entry table (``tuning.use_table``), with the benchmarks' method: the sum of the
 op's kernels' device time (torch.profiler) over inputs rotating through more than 4x the L2 cache. The
@@ -24,10 +24,10 @@ so an interrupted sweep resumes with ``--merge`` on its own output: points alrea
 step runs them: a backward can win alone and lose there (PERFORMANCE.md, "Backward", "In the training step").
 Its runs record ``"timed"`` and the GB/s of the pair.
 
-An overlay keeps a bucket's winner unless the sweep timed it and beat it by ``--min-gain`` (``tuning.overlay``).
+An overlay keeps a bucket's winner unless the sweep timed it and beat it by ``--min-gain`` (``build.overlay``).
 The sweep's key is the device's (``tuning.device_key``): an H200's is ``sm90_132sm.nvidia-h200``, so its sweep
 never lands in the H100's table. Overlaid with its class's table as ``--base``, it starts the card's own table
-from the class's winners (``tuning.card_start``): buckets the card's sweep did not measure keep what the card ran
+from the class's winners (``build.card_start``): buckets the card's sweep did not measure keep what the card ran
 before its table shipped.
 
 Ops (``--ops``, default forward,backward): ``forward`` and ``backward`` time ``cutile.forward`` /
@@ -41,7 +41,7 @@ apart: they are separate launches whose configs do not interact, so the best for
 backward half make the winner (11 candidates, 12 timings) where timing every pair would take 36. qk runs at
 head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile_n``).
 
-``--wide`` times more candidates per point (``tuning.candidates(wide=True)``: occupancy hints of 2x and 4x,
+``--wide`` times more candidates per point (``build.candidates(wide=True)``: occupancy hints of 2x and 4x,
 half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, builds of
 each persistent tile at one block per SM with eight warps and at occupancy 1 (the deepest ring of TMA load
 stages, PERFORMANCE.md, "Toolchain"), the plain norm's choice for qk): about twice the compiles and several
@@ -49,8 +49,9 @@ times the timings, so it is meant for few widths at a time (``--plan`` estimates
 PERFORMANCE.md, "Tuning tables", has some).
 
 Shapes above ``MAX_ELEMENTS`` are not timed (their M run is the one below: the floor rule of the schema).
-The tool lives in bench/tools/ because it needs the benchmarks' timer; the package holds the table format,
-buckets, candidates, winner rule and merge (``tilegym_rms.cutile.tuning``), so both share one definition.
+The tool lives in bench/tools/ because it needs the benchmarks' timer; the package holds the table format and
+buckets (``tilegym_rms.cutile.tuning``) and the candidates, winner rule, merge and overlay
+(``tilegym_rms.cutile.tuning.build``), so the sweep and the host share one definition.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from bench.common import base, timing, traffic
 from bench.tools import tune_cutile
 from tilegym_rms import ops
 from tilegym_rms.cutile import config, tuning
+from tilegym_rms.cutile.tuning import build
 
 M_DEFAULT = (1, 64, 512, 2048, 8192, 32768)
 M_QUICK = (1, 512, 8192)
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--m", type=parse_ints, help=f"M buckets (default {M_DEFAULT})")
     parser.add_argument("--quick", action="store_true", help=f"N every 512 columns, M {M_QUICK}")
     parser.add_argument(
-        "--wide", action="store_true", help="more candidates per point (tuning.candidates(wide=True)): slower"
+        "--wide", action="store_true", help="more candidates per point (build.candidates(wide=True)): slower"
     )
     parser.add_argument("--merge", help="an existing table: its measured points are kept and skipped")
     parser.add_argument("--reps", type=int, default=3, help="timed passes over the rotating inputs (median)")
@@ -115,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overlay",
         metavar="SWEEP",
-        help="lay a measured sweep over --base (tuning.overlay) and write --out; no GPU",
+        help="lay a measured sweep over --base (build.overlay) and write --out; no GPU",
     )
     parser.add_argument(
         "--base",
@@ -142,16 +144,16 @@ def sweep_args(args) -> tuple[list[str], dict[str, list[tuple[str, int, int]]]]:
         op_ns, op_ms = ns, ms
         if op == "qk":
             op_ns = [n for n in (args.n or QK_N) if n <= config.HEURISTICS.qk_max_tile_n]
-            op_ms = [m for m in ms if tuning.qk_sweep_tokens(m)]
-        points[op] = [p for p in tuning.sweep_points(dtypes, op_ns, op_ms) if p[1] * p[2] <= MAX_ELEMENTS]
+            op_ms = [m for m in ms if build.qk_sweep_tokens(m)]
+        points[op] = [p for p in build.sweep_points(dtypes, op_ns, op_ms) if p[1] * p[2] <= MAX_ELEMENTS]
     return ops, points
 
 
 def timed_parts(op: str, cands) -> set:
     """What the sweep times for ``cands``: each candidate, or each distinct half of a qk candidate."""
     if op != "qk":
-        return {tuning.label(op, c) for c in cands}
-    return {tuning.qk_half_label(c, side) for c in cands for side in ("fwd", "bwd")}
+        return {build.label(op, c) for c in cands}
+    return {build.qk_half_label(c, side) for c in cands for side in ("fwd", "bwd")}
 
 
 def compiled_parts(op: str, dt: str, n_b: int, cands) -> set:
@@ -174,7 +176,7 @@ def plan(ops, points, sms: int, done=frozenset(), wide: bool = False) -> dict:
         for dt, n_b, m_b in points[op]:
             if (op, dt, n_b, m_b) in done:
                 continue
-            cands = tuning.candidates(op, m_b, n_b, tuning.DTYPES[dt], sms, wide)
+            cands = build.candidates(op, m_b, n_b, tuning.DTYPES[dt], sms, wide)
             n_points += 1
             timings += len(timed_parts(op, cands))
             variants.update(compiled_parts(op, dt, n_b, cands))
@@ -200,9 +202,9 @@ def qk_winner(cands, gbps: dict[str, float], min_gain: float):
     at the heuristics' (``cands[0]``) unless beaten by ``min_gain``."""
     out = cands[0]
     for side in ("fwd", "bwd"):
-        by_label = {tuning.qk_half_label(c, side): c for c in cands}
+        by_label = {build.qk_half_label(c, side): c for c in cands}
         mine = {k: v for k, v in gbps.items() if k in by_label}
-        best = by_label[tuning.select_winner(mine, tuning.qk_half_label(cands[0], side), min_gain)]
+        best = by_label[build.select_winner(mine, build.qk_half_label(cands[0], side), min_gain)]
         fields = (f"{side}_{k}" for k in ("tile_m", "blocks_per_sm", "occupancy"))
         out = replace(out, **{f: getattr(best, f) for f in fields})
     return out
@@ -219,11 +221,11 @@ def main(argv=None) -> int:
         dev = measured["device"]
         if args.base:  # read before --out may overwrite it
             base = json.loads(open(args.base).read())
-            if tuning.is_card_of(dev["key"], base["device"]["key"]):
-                base = tuning.card_start(base, dev)  # the card's first table, begun from its class's
+            if build.is_card_of(dev["key"], base["device"]["key"]):
+                base = build.card_start(base, dev)  # the card's first table, begun from its class's
         else:
-            base = tuning.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)
-        tuning.write(tuning.overlay(base, measured, args.min_gain), args.out)
+            base = build.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)
+        build.write(build.overlay(base, measured, args.min_gain), args.out)
         print(f"wrote {args.out} ({dev['key']}, {args.overlay} over {args.base or 'the analytic table'})")
         return 0
     if args.analytic:
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
             parser.error("--analytic needs --sms and --out")
         cc = tuple(int(v) for v in args.capability.split("."))
         key = tuning.class_key(cc, args.sms)
-        tuning.write(tuning.analytic_doc(key, args.name, cc, args.sms, command), args.out)
+        build.write(build.analytic_doc(key, args.name, cc, args.sms, command), args.out)
         print(f"wrote {args.out} ({key}, analytic)")
         return 0
     ops, points = sweep_args(args)
@@ -268,10 +270,10 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
     copy_bw = traffic.summarize(timing.copy_bandwidth(timer, device, base.COPY_BYTES, 5)[0])[0]
     name = torch.cuda.get_device_name(index)
     cc = torch.cuda.get_device_capability(index)
-    doc = tuning.new_doc(key, name, cc, sms, "measured", command)
+    doc = build.new_doc(key, name, cc, sms, "measured", command)
     doc["copy_gbps"] = round(copy_bw, 1)
     if base_doc is not None:
-        doc = tuning.merge(base_doc, doc)
+        doc = build.merge(base_doc, doc)
     p = plan(ops, points, sms, done, args.wide)
     print(f"{name} ({key}), copy {copy_bw:.0f} GB/s: {p['points']} points, {p['timings']} timings, ")
     print(f"{p['variants']} compiled variants; estimate ~{p['estimate_s'] / 60:.0f} min", flush=True)
@@ -293,10 +295,10 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
                 )
                 timed += len(runs[-1]["gbps"])
             if runs:
-                new = tuning.new_doc(key, name, cc, sms, "measured", command)
-                tuning.set_runs(new, op, dt, n_b, runs)
-                doc = tuning.merge(doc, new)
-                tuning.write(doc, args.out)
+                new = build.new_doc(key, name, cc, sms, "measured", command)
+                build.set_runs(new, op, dt, n_b, runs)
+                doc = build.merge(doc, new)
+                build.write(doc, args.out)
             pace = (time.monotonic() - start) / max(timed, 1)
             left = (p["timings"] - timed) * pace
             print(f"  {op} {dt} N={n_b}: {timed}/{p['timings']} timed, ~{left / 60:.1f} min left", flush=True)
@@ -315,8 +317,8 @@ def _inputs(op: str, m_b: int, n_b: int, dtype: torch.dtype, device: torch.devic
         count, _ = traffic.rotation_sets(4 * m_b * n_b * elt, timing.l2_bytes(device))
         sets = [tuple(torch.randn(m_b, n_b, dtype=dtype, device=device) for _ in "xr") for _ in range(count)]
         return sets, {"": (traffic.fused_add_forward_bytes(m_b, n_b, elt), op)}
-    tokens = tuning.qk_sweep_tokens(m_b)
-    hq, hk = tuning.QK_SWEEP_HEADS
+    tokens = build.qk_sweep_tokens(m_b)
+    hq, hk = build.QK_SWEEP_HEADS
     count, _ = traffic.rotation_sets(3 * tokens * (hq + hk) * n_b * elt, timing.l2_bytes(device))
     sets = []
     for _ in range(count):
@@ -357,10 +359,10 @@ def _call(cutile, kind: str, w):
 def candidate_table(key: str, sms: int, op: str, dtype: torch.dtype, n_b: int, cand, forward_doc=None) -> dict:
     """The table a candidate is timed with: its one entry, plus ``forward_doc``'s forward entries when the
     backward is timed after the forward (so that forward is the one the device's table launches)."""
-    one = tuning.new_doc(key, "", (0, 0), sms, "measured", "")
+    one = build.new_doc(key, "", (0, 0), sms, "measured", "")
     if forward_doc is not None:
         one["forward"] = forward_doc.get("forward", {})
-    tuning.set_runs(one, op, tuning.DTYPE_NAMES[dtype], n_b, [{"m": 1, "winner": asdict(cand)}])
+    build.set_runs(one, op, tuning.DTYPE_NAMES[dtype], n_b, [{"m": 1, "winner": asdict(cand)}])
     return one
 
 
@@ -374,12 +376,12 @@ def time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain, 
         parts = {"": (traffic.full_bytes(m_b, n_b, dtype.itemsize), AFTER_FORWARD)}
     w = torch.randn(n_b, dtype=dtype, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    cands = tuning.candidates(op, m_b, n_b, dtype, sms, wide)
+    cands = build.candidates(op, m_b, n_b, dtype, sms, wide)
     gbps = {}
     for cand in cands:
         one = candidate_table(key, sms, op, dtype, n_b, cand, forward_doc if after else None)
         for side, (nbytes, kind) in parts.items():
-            what = tuning.qk_half_label(cand, side) if op == "qk" else tuning.label(op, cand)
+            what = build.qk_half_label(cand, side) if op == "qk" else build.label(op, cand)
             if what in gbps:
                 continue  # a qk half already timed with another candidate
             with tuning.use_table(one):
@@ -391,8 +393,8 @@ def time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain, 
                     print(f"    {op} {m_b}x{n_b} {what}: {base.short_error(exc)}", flush=True)
     if op == "qk":
         return {"m": m_b, "winner": asdict(qk_winner(cands, gbps, min_gain)), "gbps": gbps}
-    winner = tuning.select_winner(gbps, tuning.label(op, cands[0]), min_gain)
-    by_label = {tuning.label(op, c): c for c in cands}
+    winner = build.select_winner(gbps, build.label(op, cands[0]), min_gain)
+    by_label = {build.label(op, c): c for c in cands}
     run = {"m": m_b, "winner": asdict(by_label[winner]), "gbps": gbps}
     return {**run, "timed": AFTER_FORWARD} if after else run
 

@@ -50,6 +50,9 @@ Choosing the table: ``TILEGYM_RMS_TUNING`` (read once, at the first launch) is a
 every device, or ``off`` for the analytic heuristics everywhere; unset, the device's packaged table. In
 Python, :func:`use_table` does the same at any time (and clears the host caches), as a setter or as a
 context manager.
+
+This module is what a launch needs; writing tables (the analytic table, the sweep's candidates, merge and
+overlay) is :mod:`.build`'s, which only ``bench/tools/tune_table.py`` and the tests import.
 """
 
 from __future__ import annotations
@@ -58,8 +61,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Iterable
-from dataclasses import asdict, fields, replace
+from dataclasses import fields
 from importlib import resources
 from pathlib import Path
 
@@ -71,8 +73,6 @@ from ..config import BackwardCandidate, ForwardCandidate, QKCandidate
 SCHEMA = 1
 ENV = "TILEGYM_RMS_TUNING"
 OPS = ("forward", "backward", "fused_forward", "qk")
-# The ops the analytic table writes at every bucket; the others are optional, absent unless measured.
-ANALYTIC_OPS = ("forward", "backward")
 # Where an op's lookup goes when the table has no entry for it (then the analytic heuristics).
 FALLBACK = {"fused_forward": "forward"}
 FORWARD_OPS = ("forward", "fused_forward")  # ops whose winners are ForwardCandidates
@@ -176,7 +176,8 @@ def candidate_error(op: str, cand, n_b: int) -> str | None:
     return None
 
 
-def _candidate(op: str, raw, where: str):
+def parse_winner(op: str, raw, where: str):
+    """The config candidate a run's ``winner`` object describes (raises :class:`TuningTableError` at ``where``)."""
     cls = CANDIDATE_TYPES[op]
     names = [f.name for f in fields(cls)]
     if not isinstance(raw, dict) or set(raw) != set(names):
@@ -228,7 +229,7 @@ class Table:
             m = run.get("m") if isinstance(run, dict) else None
             if m not in M_BUCKETS or m <= last:
                 self._fail(f"{where}: run 'm' {m!r} must be a power of two up to 2**22, increasing")
-            cand = _candidate(op, run.get("winner"), f"{self.origin}: {where}/m={m}")
+            cand = parse_winner(op, run.get("winner"), f"{self.origin}: {where}/m={m}")
             why = candidate_error(op, cand, n_b)
             if why:
                 self._fail(f"{where}/m={m}: {why}")
@@ -305,11 +306,6 @@ def class_of(key: str) -> str:
     return key.split(".")[0]
 
 
-def is_card_of(key: str, class_key_: str) -> bool:
-    """Whether ``key`` is a card key (:func:`card_key`) of the class ``class_key_``, not the class key itself."""
-    return key != class_key_ and class_of(key) == class_key_
-
-
 def device_key(device_index: int) -> str:
     """The key of a device's table (:func:`card_key`)."""
     from ..launch import num_sms
@@ -372,344 +368,3 @@ def _set(choice) -> None:
     from .. import clear_caches
 
     clear_caches()
-
-
-# --- writing tables (the analytic table, the sweep) ---
-
-
-def label(op: str, cand) -> str:
-    """A candidate in one short string (the keys of a run's ``gbps``; a qk candidate: its two halves')."""
-    if op == "qk":
-        return " | ".join(qk_half_label(cand, side) for side in ("fwd", "bwd"))
-    kind = cand.kernel if op in FORWARD_OPS else cand.plan
-    tail = f"+{cand.tail_n}" if cand.tail_n else ""
-    return f"{kind} {cand.tile_m}x{cand.tile_n}{tail} b{cand.blocks_per_sm} o{cand.occupancy} w{cand.num_worker_warps}"
-
-
-def qk_half_label(cand: QKCandidate, side: str) -> str:
-    """The forward ("fwd") or backward ("bwd") half of a qk candidate, e.g. ``"fwd 32r b8 o2"``."""
-    tile_m, blocks, occupancy = (getattr(cand, f"{side}_{k}") for k in ("tile_m", "blocks_per_sm", "occupancy"))
-    return f"{side} {tile_m}r b{blocks} o{occupancy}"
-
-
-def new_doc(key: str, name: str, capability, sms: int, source: str, generated_by: str) -> dict:
-    return {
-        "schema": SCHEMA,
-        "device": {"key": key, "name": name, "capability": list(capability), "sms": sms},
-        "source": source,
-        "generated_by": generated_by,
-        **{op: {} for op in OPS},
-    }
-
-
-def set_runs(doc: dict, op: str, dtype: str, n_b: int, runs: list[dict]) -> None:
-    doc.setdefault(op, {}).setdefault(dtype, {})[str(n_b)] = sorted(runs, key=lambda r: r["m"])
-
-
-def analytic_runs(op: str, dtype: torch.dtype, n_b: int, sms: int) -> list[dict]:
-    """The analytic heuristics' choice at every M bucket of ``n_b``, as runs (equal neighbours merged)."""
-    runs = []
-    for m in M_BUCKETS:
-        if op in FORWARD_OPS:
-            cand = config.forward_candidate(m, n_b, dtype, sms)
-        elif op == "qk":
-            cand = config.qk_candidate(m, n_b, dtype, sms)
-        else:
-            cand = config.backward_candidate(m, n_b, dtype, sms)
-        if not runs or runs[-1]["winner"] != asdict(cand):
-            runs.append({"m": m, "winner": asdict(cand)})
-    return runs
-
-
-def analytic_doc(key: str, name: str, capability, sms: int, generated_by: str) -> dict:
-    """A table holding the analytic heuristics' decisions at every bucket point (``"source": "analytic"``)."""
-    doc = new_doc(key, name, capability, sms, "analytic", generated_by)
-    for op in ANALYTIC_OPS:
-        for dt, dtype in DTYPES.items():
-            for n_b in N_BUCKETS:
-                set_runs(doc, op, dt, n_b, analytic_runs(op, dtype, n_b, sms))
-    return doc
-
-
-def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: bool = False) -> list:
-    """What the sweep times at one bucket, the analytic choice first, then a few neighbours valid for the
-    bucket: the other forward kernel (its analytic tiles), or the persistent backward plan in place of the
-    direct one; twice the blocks per SM (only the grid changes: no compile); twice the rows per tile of a
-    persistent tile, or twice the gather kernel's occupancy hint (one compiled variant each). Few on
-    purpose: compiles dominate a sweep's time, see ``bench/tools/tune_table.py --plan``.
-
-    ``wide`` reaches further where the quick neighbours left a gap to the peers: four times the blocks per
-    SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
-    four times the analytic one (for qk on both halves; for the forward ops on both kernels); for a padded
-    persistent forward row, the row as a tile plus a tail tile; and one-block-per-SM builds of each persistent
-    tile shape, with eight warps and at occupancy 1 (:func:`_add_one_block_builds`)."""
-    out: list = []
-
-    def add(cand):
-        if cand not in out and candidate_error(op, cand, n_b) is None:
-            out.append(cand)
-
-    scales = (1, 2, 4) if wide else (1, 2)
-    if op == "qk":  # each half: half, the same or twice the rows per tile, once or twice the blocks per SM
-        base = config.qk_candidate(m_b, n_b, dtype, sms)
-        add(base)
-        for side in ("fwd", "bwd"):
-            tile_m, blocks, occ = (getattr(base, f"{side}_{k}") for k in ("tile_m", "blocks_per_sm", "occupancy"))
-            occupancies = (occ, max(1, occ) * 2, max(1, occ) * 4) if wide else (occ,)
-            for t in (max(1, tile_m // 2), tile_m, tile_m * 2):
-                for b in scales:
-                    for o in occupancies:
-                        fields = {"tile_m": t, "blocks_per_sm": blocks * b, "occupancy": o}
-                        add(replace(base, **{f"{side}_{k}": v for k, v in fields.items()}))
-        if wide:  # the plain norm's choice for rows of one head (its measured short-row settings)
-            f = config.forward_candidate(m_b, n_b, dtype, sms, "persistent")
-            b = config.backward_candidate(m_b, n_b, dtype, sms)
-            add(replace(base, fwd_tile_m=f.tile_m, fwd_blocks_per_sm=f.blocks_per_sm, fwd_occupancy=f.occupancy))
-            add(replace(base, bwd_tile_m=b.tile_m, bwd_blocks_per_sm=b.blocks_per_sm, bwd_occupancy=b.occupancy))
-        return out
-    if op in FORWARD_OPS:  # the fused forward tries the plain forward's candidates
-        add(config.forward_candidate(m_b, n_b, dtype, sms))
-        for kernel in config.FORWARD_KERNELS:
-            try:
-                base = config.forward_candidate(m_b, n_b, dtype, sms, kernel)
-            except ValueError:
-                continue  # persistent: rows too wide
-            add(base)
-            occupancies = [max(1, base.occupancy) * o for o in (2, 4)] if wide else [max(1, base.occupancy * 2)]
-            if kernel == "gather":
-                for occupancy in occupancies:
-                    add(replace(base, occupancy=occupancy))
-                continue
-            if not wide:
-                add(replace(base, blocks_per_sm=base.blocks_per_sm * 2))
-                add(replace(base, tile_m=base.tile_m * 2))
-                continue
-            # 16 and 64 times the blocks: at most one row tile per block at large M (no persistence),
-            # with the hardware keeping as many blocks resident as the registers allow.
-            for tile_m in (base.tile_m // 2, base.tile_m, base.tile_m * 2):
-                for b in (1, 2, 4, 16, 64):
-                    add(replace(base, tile_m=tile_m, blocks_per_sm=base.blocks_per_sm * b))
-            for occupancy in occupancies:
-                for b in (1, 16):
-                    add(replace(base, occupancy=occupancy, blocks_per_sm=base.blocks_per_sm * b))
-            # A padded row held as a tile plus a tail tile instead (config.split_row: 2304 = 2048 + 256), which
-            # the analytic choice keeps for the widest rows only: fewer padded registers per row.
-            tile_n, tail_n = config.split_row(n_b)
-            if tail_n and not base.tail_n:
-                for tile_m in (base.tile_m, base.tile_m * 2):
-                    for occupancy in (base.occupancy, max(1, base.occupancy) * 2):
-                        for b in (1, 2):
-                            split = dict(tile_n=tile_n, tail_n=tail_n, tile_m=tile_m, occupancy=occupancy)
-                            add(replace(base, **split, blocks_per_sm=base.blocks_per_sm * b))
-        if wide:
-            _add_one_block_builds(add, out, "kernel")
-        return out
-    base = config.backward_candidate(m_b, n_b, dtype, sms)
-    add(base)
-    if base.plan == "direct":  # what the direct plan replaced at this M
-        base = config.backward_candidate(m_b, n_b, dtype, sms, replace(config.HEURISTICS, bwd_direct_max_rows_per_sm=0))
-        add(base)
-    for b in scales[1:]:
-        add(replace(base, blocks_per_sm=base.blocks_per_sm * b))
-    add(replace(base, tile_m=base.tile_m * 2))
-    if wide:
-        add(replace(base, tile_m=base.tile_m // 2))
-        _add_one_block_builds(add, out, "plan")
-    return out
-
-
-def _add_one_block_builds(add, out: list, kind: str) -> None:
-    """The wide set's one-block-per-SM builds of each persistent tile shape in ``out`` that leaves the warps to
-    the compiler: with eight warps, and with the compiler's warps at occupancy 1. As launched on aligned rows the
-    compiler stages row tiles in a ring of shared memory sized by the occupancy hint: at occupancy 1 about five
-    32 KB tiles, at occupancy 2 three, at 4 one (PERFORMANCE.md, "Toolchain"), so these are the builds with
-    the most of a block's own loads in flight."""
-    shapes = {(c.tile_m, c.tile_n, c.tail_n): c for c in out if getattr(c, kind) == "persistent"}
-    for c in shapes.values():
-        if not c.num_worker_warps:
-            add(replace(c, blocks_per_sm=1, occupancy=1, num_worker_warps=8))
-            add(replace(c, blocks_per_sm=1, occupancy=1))
-
-
-def select_winner(gbps: dict[str, float], default: str, min_gain: float = 0.01) -> str:
-    """The fastest candidate, unless it beats ``default`` (the analytic choice) by less than ``min_gain``:
-    timing noise is then no reason to change a decision."""
-    if not gbps:
-        raise ValueError("no candidate was measured")
-    best = max(gbps, key=gbps.get)
-    if default in gbps and gbps[best] < gbps[default] * (1 + min_gain):
-        return default
-    return best
-
-
-def measured(runs: list[dict]) -> bool:
-    return all("gbps" in r for r in runs)
-
-
-def merge(base: dict, new: dict) -> dict:
-    """``new`` over ``base`` (same device): a measured run list replaces an analytic one of the same
-    (op, dtype, N); two measured lists merge by M, ``new`` winning. ``source`` follows what remains."""
-    if base["device"]["key"] != new["device"]["key"]:
-        raise TuningTableError(f"cannot merge tables of {base['device']['key']} and {new['device']['key']}")
-    # The key (compute capability, SM count) does not tell every card apart: an H200 has an H100 SXM's. A
-    # sweep measured on one must not land in the other's table.
-    names = base["device"].get("name"), new["device"].get("name")
-    if all(names) and names[0] != names[1]:
-        raise TuningTableError(
-            f"cannot merge a table measured on {names[1]!r} into one of {names[0]!r}: the same key "
-            f"({base['device']['key']}) but another card"
-        )
-    out = json.loads(json.dumps(base))
-    out["generated_by"] = new["generated_by"]
-    if "copy_gbps" in new:
-        out["copy_gbps"] = new["copy_gbps"]
-    for op in OPS:
-        for dt, by_n in new.get(op, {}).items():
-            for key, runs in by_n.items():
-                old = out.get(op, {}).get(dt, {}).get(key)
-                if old is not None and measured(old) and measured(runs):
-                    runs = list({r["m"]: r for r in old + runs}.values())
-                set_runs(out, op, dt, int(key), runs)
-    out["source"] = source_of(out)
-    return out
-
-
-def card_start(class_doc: dict, device: dict) -> dict:
-    """A card's first table, begun from its class's table measured on another card of the class (see
-    :func:`card_key`). It holds the class's winners under the card's own ``device`` entry, with ``based_on``
-    naming the card they were measured on; their timings are left out (they are that card's). A sweep on the
-    card laid over it (``tune_table.py --overlay SWEEP --base <class table>``) then keeps the choice the card
-    runs today at every bucket the sweep did not measure, not the heuristics'."""
-    class_key_ = class_doc["device"]["key"]
-    if not is_card_of(device["key"], class_key_):
-        raise TuningTableError(f"{device['key']!r} is not the key of a card of class {class_key_!r}")
-    out = json.loads(json.dumps(class_doc))
-    out["device"] = dict(device)
-    out["based_on"] = class_doc["device"]
-    for op in OPS:
-        for dt, by_n in class_doc.get(op, {}).items():
-            for key, runs in by_n.items():
-                set_runs(out, op, dt, int(key), [{"m": r["m"], "winner": r["winner"]} for r in runs])
-    out["source"] = source_of(out)
-    return out
-
-
-def _winner_at(runs: list[dict], m_b: int) -> dict:
-    """The winner a run list gives M bucket ``m_b`` (the floor rule of :meth:`Table.lookup`)."""
-    return next((r["winner"] for r in reversed(runs) if r["m"] <= m_b), runs[0]["winner"])
-
-
-def _reference_runs(doc: dict, op: str, dt: str, key: str) -> list[dict]:
-    """The runs the host would follow for (op, dtype, N) in ``doc`` without a new measurement: the op's
-    own entry, else its fallback's (:data:`FALLBACK`), else the analytic heuristics'."""
-    while True:
-        runs = doc.get(op, {}).get(dt, {}).get(key)
-        if runs:
-            return runs
-        if op not in FALLBACK:
-            return analytic_runs(op, DTYPES[dt], int(key), doc["device"]["sms"])
-        op = FALLBACK[op]
-
-
-def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dict:
-    """A measured sweep ``run`` whose winner yields to ``incumbent`` (what the base launches at that M bucket)
-    when the sweep timed the incumbent too and its winner beats it by less than ``min_gain``: as the sweep's
-    own rule keeps the analytic choice (:func:`select_winner`), so a re-timed table keeps its choices within
-    the noise. qk runs are timed by halves and stay as measured."""
-    if op == "qk" or run["winner"] == incumbent:
-        return run
-    gbps = run["gbps"]
-    mine = gbps.get(label(op, _candidate(op, incumbent, "incumbent")))
-    theirs = gbps.get(label(op, _candidate(op, run["winner"], "winner")))
-    if mine is None or theirs is None or theirs >= mine * (1 + min_gain):
-        return run
-    return {**run, "winner": incumbent}
-
-
-def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
-    """A sparse sweep (a few M buckets) laid over ``base`` (the analytic table, or a shipped table whose
-    other entries must stay), M bucket by M bucket: a measured winner stands for the buckets above its own
-    only while the base's choice there stays the one it was measured against (so M buckets where the
-    heuristics switch kernel, e.g. to the gather forward at many rows, keep their switch), and buckets
-    below the first measured one keep the base's choice. For an op without a base entry the base is what
-    the host would fall back to: the fused forward the forward's entry (already overlaid), the qk op and
-    the rest the analytic heuristics. Entries the sweep did not measure stay as in ``base``, and so do the
-    base's own measured runs at M buckets the sweep did not measure: a sweep winner stands for the buckets
-    above its own only up to the next bucket either table measured. At a bucket the sweep measured, the
-    winner the base launched there stays unless the sweep's beats it by ``min_gain`` (:func:`_incumbent_kept`)."""
-    out = merge(base, {**sweep, **{op: {} for op in OPS}})
-    for op in OPS:  # in order: the forward is overlaid before the fused forward falls back to it
-        for dt, by_n in sweep.get(op, {}).items():
-            for key, measured_runs in by_n.items():
-                ref_runs = _reference_runs(out, op, dt, key)
-                measured_runs = [_incumbent_kept(op, r, _winner_at(ref_runs, r["m"]), min_gain) for r in measured_runs]
-                points = {r["m"]: r for r in measured_runs}
-                own = out.get(op, {}).get(dt, {}).get(key) or []  # not a fallback's: measured for another op
-                base_points = {r["m"]: r for r in own if "gbps" in r and r["m"] not in points}
-                runs: list[dict] = []
-                for m_b in M_BUCKETS:
-                    below = [r for r in measured_runs if r["m"] <= m_b]
-                    ref = below[-1] if below else None
-                    if ref is not None and any(ref["m"] < p <= m_b for p in base_points):
-                        ref = None  # the base measured a bucket nearer to this one: its choice stands
-                    if ref is not None and _winner_at(ref_runs, m_b) == _winner_at(ref_runs, ref["m"]):
-                        winner = ref["winner"]
-                    else:
-                        winner = _winner_at(ref_runs, m_b)
-                    kept = points.get(m_b) or (base_points.get(m_b) if ref is None else None)
-                    if kept is not None:
-                        runs.append(kept)  # kept whole: its timings document the choice
-                    elif not runs or runs[-1]["winner"] != winner:
-                        runs.append({"m": m_b, "winner": winner})
-                set_runs(out, op, dt, int(key), runs)
-    out["source"] = "mixed"
-    return out
-
-
-def source_of(doc: dict) -> str:
-    kinds = {measured(runs) for op in OPS for by_n in doc.get(op, {}).values() for runs in by_n.values()}
-    return "mixed" if len(kinds) > 1 else ("measured" if kinds == {True} else "analytic")
-
-
-def dumps(doc: dict) -> str:
-    """JSON with one line per (op, dtype, N): small diffs when a sweep changes a few buckets."""
-    head = {k: v for k, v in doc.items() if k not in OPS}
-    lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
-    ops = [op for op in OPS if op in doc]  # an optional op never measured stays out of the file
-    for i, op in enumerate(ops):
-        lines.append(f'  "{op}": {{')
-        dts = list(doc.get(op, {}).items())
-        for j, (dt, by_n) in enumerate(dts):
-            lines.append(f'    "{dt}": {{')
-            items = sorted(by_n.items(), key=lambda kv: int(kv[0]))
-            for k, (key, runs) in enumerate(items):
-                lines.append(f'      "{key}": {json.dumps(runs)}' + ("," if k < len(items) - 1 else ""))
-            lines.append("    }" + ("," if j < len(dts) - 1 else ""))
-        lines.append("  }" + ("," if i < len(ops) - 1 else ""))
-    return "\n".join(lines + ["}"]) + "\n"
-
-
-def write(doc: dict, path) -> None:
-    """Validates ``doc`` and writes it atomically (an interrupted sweep keeps its last complete file)."""
-    Table(doc, str(path))
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(dumps(doc))
-    os.replace(tmp, path)
-
-
-# The qk sweep's shapes: q of QK_SWEEP_HEADS[0] heads and k of QK_SWEEP_HEADS[1] per token (GQA, as the
-# benchmarks' qk_norm measure): k holds a fifth of the rows, q four fifths.
-QK_SWEEP_HEADS = (16, 4)
-
-
-def qk_sweep_tokens(m_b: int) -> int:
-    """Tokens (groups G of the ``(G, H, D)`` views) whose q and k rows together fall in M bucket ``m_b``,
-    or 0 where none do (fewer than 32 rows)."""
-    tokens = m_b // sum(QK_SWEEP_HEADS)
-    return tokens if tokens and m_bucket(tokens * sum(QK_SWEEP_HEADS)) == m_b else 0
-
-
-def sweep_points(dtypes: Iterable[str], ns: Iterable[int], ms: Iterable[int]):
-    """Every (dtype, N bucket, M bucket) of a sweep, N outermost within a dtype (one input size at a time)."""
-    return [(dt, n_b, m_b) for dt in dtypes for n_b in ns for m_b in ms]
