@@ -97,8 +97,8 @@ def _measured_points(op):
                         yield key, doc["device"]["sms"], run["m"], int(n_b), tuning.DTYPES[dt]
 
 
-def _forward_name(plan):
-    return "rms_norm_fwd_gather" if plan.kernel is kernels.rms_norm_fwd_gather else "rms_norm_fwd_persistent"
+def _forward_name(launch):
+    return "rms_norm_fwd_gather" if launch.kernel is kernels.rms_norm_fwd_gather else "rms_norm_fwd_persistent"
 
 
 # the dx kernel of each backward plan, by the object the host launches
@@ -113,12 +113,13 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
     (a training call's), read from the host path itself, are among the variants the compile check builds."""
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import launch, tuning
+    from tilegym_rms.cutile.host import backward, forward, qk
     from tilegym_rms.cutile.tuning import build
 
     # the constants: after the arrays and scalars (8 of a forward, 10 of the qk forward, 12 of its backward)
     skip = {"qk_rms_norm_fwd": 10, "qk_rms_norm_bwd": 12, "rms_norm_bwd_column_chunk": 9, "rms_norm_bwd_row_dot": 6}
     compiled = {(v.kernel_name, v.params[skip.get(v.kernel_name, 8) :], v.hints) for v in aot.variants()}
-    adds = {"forward": (cutile._ADD_NONE,), "fused_forward": tuple(cutile._ADD_MODES.values())}
+    adds = {"forward": (forward.ADD_NONE,), "fused_forward": tuple(forward.ADD_MODES.values())}
     checked = dict.fromkeys((*adds, "backward", "qk"), 0)
     for op, modes in adds.items():
         for key, sms, m, n, dtype in _measured_points(op):
@@ -127,8 +128,8 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
             cutile.clear_caches()
             for add in modes:
                 with tuning.use_table("packaged"):
-                    plan = cutile._forward_launch(0, m, n, dtype, None, "llama", True, True, add)
-                assert (_forward_name(plan), plan.constants, plan.hints) in compiled, (op, key, m, n, dtype, plan)
+                    fl = forward.cached_launch(0, m, n, dtype, None, "llama", True, True, add).launch
+                assert (_forward_name(fl), fl.constants, fl.hints) in compiled, (op, key, m, n, dtype, fl)
                 checked[op] += 1
     for key, sms, m, n, dtype in _measured_points("backward"):
         monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
@@ -136,11 +137,11 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
         cutile.clear_caches()
         for has_dres in (False, True):  # the plain norm's backward and the fused add's
             with tuning.use_table("packaged"):
-                b = cutile._backward_launch(0, m, n, dtype, True, has_dres)
-            want = (_BACKWARD_NAMES[b.kernel], b.constants, b.cfg.hints)
+                b = backward.cached_launches(0, m, n, dtype, True, has_dres)
+            want = (_BACKWARD_NAMES[b.main.kernel], b.main.constants, b.cfg.hints)
             assert want in compiled, (key, m, n, dtype, b)
             if b.cfg.plan == "chunked":  # its first launch, the row dots
-                assert ("rms_norm_bwd_row_dot", b.row_dot_constants, b.cfg.hints) in compiled, (key, m, n, dtype, b)
+                assert ("rms_norm_bwd_row_dot", b.row_dot.constants, b.cfg.hints) in compiled, (key, m, n, dtype, b)
         checked["backward"] += 1
     for key, sms, m, d, dtype in _measured_points("qk"):
         monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
@@ -148,7 +149,7 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
         cutile.clear_caches()
         tokens = build.qk_sweep_tokens(m)
         with tuning.use_table("packaged"):
-            c = cutile._qk_config(0, tokens * build.QK_SWEEP_HEADS[0], tokens * build.QK_SWEEP_HEADS[1], d, dtype)
+            c = qk.cached_config(0, tokens * build.QK_SWEEP_HEADS[0], tokens * build.QK_SWEEP_HEADS[1], d, dtype)
         assert ("qk_rms_norm_fwd", (c.fwd_tile_m, c.tile_n, 0, True, True), c.fwd_hints) in compiled, (key, m, d, c)
         assert ("qk_rms_norm_bwd", (c.bwd_tile_m, c.tile_n, True, True), c.bwd_hints) in compiled, (key, m, d, c)
         checked["qk"] += 1

@@ -207,12 +207,13 @@ def test_cutile_host_hands_kernels_detached_tensors(monkeypatch):
     pytest.importorskip("cuda.tile")
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import launch, tuning
+    from tilegym_rms.cutile.host import common
 
     seen = []
     monkeypatch.setattr(launch, "num_sms", lambda index: 132)
     monkeypatch.setattr(tuning, "device_key", lambda index: "sm90_132sm")  # its table, without a GPU to ask
     monkeypatch.setattr(
-        cutile, "_launch", lambda: lambda kernel, grid, args, dev, hints=(), built=None: seen.append(args)
+        common, "launcher", lambda: lambda kernel, grid, args, dev, hints=(), built=None: seen.append(args)
     )
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
     grad_leaf = lambda: torch.randn(4, 8, requires_grad=True)  # noqa: E731

@@ -15,28 +15,29 @@ BF16 = torch.bfloat16
 
 @pytest.fixture
 def host(monkeypatch):
-    """The cuTile host module with an H100's SM count, empty caches and no tuning table (these tests are
-    about the analytic heuristics; tests/test_tuning.py covers the tables); nothing launches (``cuda.tile``
-    imports without a GPU or driver)."""
+    """The cuTile host modules (:mod:`tilegym_rms.cutile.host`) with an H100's SM count, empty caches and no
+    tuning table (these tests are about the analytic heuristics; tests/test_tuning.py covers the tables);
+    nothing launches (``cuda.tile`` imports without a GPU or driver)."""
     pytest.importorskip("cuda.tile")
     import tilegym_rms.cutile as cutile
-    from tilegym_rms.cutile import launch, tuning
+    from tilegym_rms.cutile import host, launch, tuning
 
     monkeypatch.setattr(launch, "num_sms", lambda index: SMS)
     with tuning.use_table(None):
-        yield cutile
+        yield host
     cutile.clear_caches()
 
 
 def fwd(host, m, n, dtype=BF16, kernel=None) -> config.ForwardConfig:
     """The forward configuration the product uses for an (m, n) input (device index irrelevant here)."""
-    return host._forward_config(0, m, n, dtype, kernel)
+    return host.forward.cached_config(0, m, n, dtype, kernel)
 
 
 def fwd_kernel(host, m, n, dtype=BF16) -> str:
     """ "gather" or "persistent": the forward kernel the product launches for an (m, n) input."""
-    kernel = host._forward_launch(0, m, n, dtype, None, "llama", True, True, host._ADD_NONE).kernel
-    kernels = host._kernels()
+    add = host.forward.ADD_NONE
+    kernel = host.forward.cached_launch(0, m, n, dtype, None, "llama", True, True, add).launch.kernel
+    kernels = host.common.kernels()
     return {kernels.rms_norm_fwd_gather: "gather", kernels.rms_norm_fwd_persistent: "persistent"}[kernel]
 
 
@@ -84,14 +85,18 @@ def test_forward_dispatch_thresholds(host):
 def test_forward_launches_the_kernel_of_the_bucket(host, monkeypatch):
     """End to end through ``cutile.forward`` (the launch stubbed): 512 rows run the gather kernel, 528
     rows (4 per SM, but bucket 1024) the persistent one."""
+    import tilegym_rms.cutile as cutile
+
     seen = []
     monkeypatch.setattr(
-        host, "_launch", lambda: lambda kernel, grid, args, dev, hints=(), built=None: seen.append((kernel, grid))
+        host.common,
+        "launcher",
+        lambda: lambda kernel, grid, args, dev, hints=(), built=None: seen.append((kernel, grid)),
     )
     w = torch.randn(4096, dtype=BF16)
     for m in (512, 528):
-        host.forward(torch.randn(m, 4096, dtype=BF16), w, 1e-6, 0.0, "llama")
-    kernels = host._kernels()
+        cutile.forward(torch.randn(m, 4096, dtype=BF16), w, 1e-6, 0.0, "llama")
+    kernels = host.common.kernels()
     assert seen[0] == (kernels.rms_norm_fwd_gather, (512,))
     tile_m = fwd(host, 528, 4096).tile_m
     assert seen[1] == (kernels.rms_norm_fwd_persistent, (config.cdiv(528, tile_m),))
@@ -137,14 +142,15 @@ def test_every_m_of_a_bucket_launches_one_compiled_variant(host, bucket, n):
     same compiled variant (kernel, constants, hints), so a new batch size compiles nothing; only the grid
     follows M, and a persistent grid never has more blocks than M has row tiles."""
     ms = sorted({bucket // 2 + 1, bucket // 2 + 7, 3 * bucket // 4, bucket - 1, bucket})
-    plans = {m: host._forward_launch(0, m, n, BF16, None, "llama", True, True, host._ADD_NONE) for m in ms}
-    assert len({(p.kernel, p.constants, p.hints) for p in plans.values()}) == 1
-    for m, p in plans.items():
+    add = host.forward.ADD_NONE
+    launches = {m: host.forward.cached_launch(0, m, n, BF16, None, "llama", True, True, add).launch for m in ms}
+    assert len({(launch.kernel, launch.constants, launch.hints) for launch in launches.values()}) == 1
+    for m, launch in launches.items():
         cfg = fwd(host, m, n)
         if cfg.kernel == "gather":
-            assert p.grid == (m,)
+            assert launch.grid == (m,)
         else:
-            assert 1 <= p.grid[0] <= config.cdiv(m, cfg.tile_m) and p.grid[0] <= plans[bucket].grid[0]
+            assert 1 <= launch.grid[0] <= config.cdiv(m, cfg.tile_m) and launch.grid[0] <= launches[bucket].grid[0]
 
 
 @pytest.mark.parametrize("n", [1, 64, 1000, 2048, 4096, 8192, 16384, 32768, 65536, 262144])

@@ -93,16 +93,17 @@ def test_backward_rows_split_into_tile_and_tail(n, dtype, weight):
 @pytest.mark.parametrize("per_row_max", [0, 2048])
 def test_backward_dw_per_row_and_per_tile(n, dtype, per_row_max):
     """The persistent backward's two dw accumulations (kernels.DW_PER_ROW), chosen by the heuristic's bound:
-    rows of many-row tiles, with a tail tile at 1152 (1024 + 128); the host's plan carries the choice."""
+    rows of many-row tiles, with a tail tile at 1152 (1024 + 128); the host's launch carries the choice."""
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import config
+    from tilegym_rms.cutile.host import backward
 
     cutile.clear_caches()
     try:
         with config.override(bwd_dw_per_row_max_row=per_row_max):
-            plan = cutile._backward_launch(0, 4097, n, dtype, True, False)
-            assert plan.cfg.plan == "persistent" and plan.cfg.tile_m > 1
-            assert plan.cfg.dw_per_row == (per_row_max > 0) == plan.constants[-1]
+            launches = backward.cached_launches(0, 4097, n, dtype, True, False)
+            assert launches.cfg.plan == "persistent" and launches.cfg.tile_m > 1
+            assert launches.cfg.dw_per_row == (per_row_max > 0) == launches.main.constants[-1]
             _check(4097, n, dtype)
     finally:
         cutile.clear_caches()

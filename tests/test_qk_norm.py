@@ -237,7 +237,10 @@ def test_compile_fake_outputs_have_the_real_strides():
 
 
 def _emulated_launch(calls):
+    from tilegym_rms.experimental import kernel_name
+
     def launch(kernel, grid, args, dev, hints=(), built=None):
+        kernel = kernel_name(kernel)
         calls.append(kernel)
         if kernel == "qk_rms_norm_fwd":
             q, k, wq, wk, yq, yk, rq, rk, eps, offset, _tm, _tn, cast, has_wq, has_wk = args
@@ -263,19 +266,16 @@ def _emulated_launch(calls):
 
 def _emulate_cutile(monkeypatch):
     """The cuTile host with its kernels emulated (:func:`_emulated_launch`) on a 4-SM device without a
-    tuning table: ``(the cutile module, the list of kernels launched)``."""
+    tuning table: ``(the cutile module, the names of the kernels launched)``."""
     pytest.importorskip("cuda.tile")
-    import types
-
     from tilegym_rms import cutile
     from tilegym_rms.cutile import launch, tuning
+    from tilegym_rms.cutile.host import common
 
     calls = []
     monkeypatch.setattr(launch, "num_sms", lambda index: 4)
     monkeypatch.setattr(tuning, "table_for", lambda index: None)  # no device to key a table on
-    monkeypatch.setattr(cutile, "_launch", lambda: _emulated_launch(calls))
-    names = ("qk_rms_norm_fwd", "qk_rms_norm_bwd", "rms_norm_dw_reduce")
-    monkeypatch.setattr(cutile, "_kernels", lambda: types.SimpleNamespace(**{n: n for n in names}))
+    monkeypatch.setattr(common, "launcher", lambda: _emulated_launch(calls))
     return cutile, calls
 
 

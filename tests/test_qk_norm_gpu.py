@@ -129,16 +129,16 @@ def test_qk_dw_is_deterministic():
 
 def test_qk_is_one_launch_each_way(monkeypatch):
     """Forward: one kernel for q and k; backward: one kernel and one dw reduction for both weights."""
-    from tilegym_rms import cutile
+    from tilegym_rms.cutile.host import common
 
     launched = []
-    real = cutile._launch()
+    real = common.launcher()
     monkeypatch.setattr(
-        cutile, "_launch", lambda: lambda kernel, *a, **kw: launched.append(kernel) or real(kernel, *a, **kw)
+        common, "launcher", lambda: lambda kernel, *a, **kw: launched.append(kernel) or real(kernel, *a, **kw)
     )
     q, k = (t.requires_grad_() for t in _layout("contiguous", 2, 1024, 128, torch.bfloat16))
     w = [torch.randn(128, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(2)]
     yq, yk = tilegym_rms.qk_rms_norm(q, k, *w, backend="cutile")
     (yq.float().sum() + yk.float().sum()).backward()
-    kernels = cutile._kernels()
+    kernels = common.kernels()
     assert launched == [kernels.qk_rms_norm_fwd, kernels.qk_rms_norm_bwd, kernels.rms_norm_dw_reduce]

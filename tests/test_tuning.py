@@ -69,15 +69,14 @@ def expected_grid():
 
 GRID_SCRIPT = """
 import json, sys
-import tilegym_rms.cutile as cutile
-from tilegym_rms.cutile import launch, tuning
+from tilegym_rms.cutile import host, launch, tuning
 launch.num_sms = lambda index: 132
 tuning.device_key = lambda index: "sm90_132sm"
 out = {}
 for dt, dtype in tuning.DTYPES.items():
     for m in (4096, 32768):
         for n in (1024, 2048, 4096, 5120, 7168, 8192, 16384):
-            f, b = cutile._forward_config(0, m, n, dtype, None), cutile._backward_config(0, m, n, dtype)
+            f, b = host.forward.cached_config(0, m, n, dtype, None), host.backward.cached_config(0, m, n, dtype)
             out[f"{dt} {m} {n}"] = [list(f.__dict__.values()), list(b.__dict__.values())]
 print(json.dumps({"table": tuning.table_for(0) is not None, "configs": out}))
 """
@@ -230,14 +229,14 @@ def test_shipped_analytic_table_is_the_heuristics_at_every_bucket_point():
 
 @pytest.fixture
 def host(monkeypatch):
+    """The cuTile host modules (:mod:`tilegym_rms.cutile.host`) on an H100 with its packaged table."""
     pytest.importorskip("cuda.tile")
-    import tilegym_rms.cutile as cutile
-    from tilegym_rms.cutile import launch
+    from tilegym_rms.cutile import host, launch
 
     monkeypatch.setattr(launch, "num_sms", lambda index: SMS)
     monkeypatch.setattr(tuning, "device_key", lambda index: "sm90_132sm")
     with tuning.use_table("packaged"):
-        yield cutile
+        yield host
 
 
 def winner(doc, op, dt, n_b, m_b):
@@ -254,11 +253,11 @@ def test_the_product_launches_the_tables_winner(host, m, n):
     doc = shipped()["sm90_132sm"]
     for dt, dtype in tuning.DTYPES.items():
         n_b, m_b = tuning.n_bucket(n), config.m_bucket(m)
-        f = host._forward_config(0, m, n, dtype, None)
+        f = host.forward.cached_config(0, m, n, dtype, None)
         w = winner(doc, "forward", dt, n_b, m_b)
         assert (f.kernel, f.tile_m, f.tile_n, f.tail_n) == (w["kernel"], w["tile_m"], w["tile_n"], w["tail_n"])
         assert dict(f.hints) == {k: w[k] for k in ("occupancy", "num_worker_warps") if w[k]}
-        b = host._backward_config(0, m, n, dtype)
+        b = host.backward.cached_config(0, m, n, dtype)
         w = winner(doc, "backward", dt, n_b, m_b)
         assert (b.plan, b.tile_m, b.tile_n, b.tail_n) == (w["plan"], w["tile_m"], w["tile_n"], w["tail_n"])
 
@@ -271,15 +270,15 @@ def one_entry(op, dt, n_b, cand, m=1):
 
 def test_use_table_overrides_and_restores(host):
     odd = config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)  # no heuristic picks this
-    before = host._forward_config(0, 4096, 4096, BF16, None)
+    before = host.forward.cached_config(0, 4096, 4096, BF16, None)
     with tuning.use_table(one_entry("forward", "bf16", 4224, odd)):
-        cfg = host._forward_config(0, 4096, 4100, BF16, None)  # 4100 rounds up to the 4224 bucket
+        cfg = host.forward.cached_config(0, 4096, 4100, BF16, None)  # 4100 rounds up to the 4224 bucket
         assert (cfg.tile_m, cfg.tile_n, cfg.grid) == (2, 8192, 3 * SMS)
         assert dict(cfg.hints) == {"occupancy": 4, "num_worker_warps": 8}
-        assert host._forward_config(0, 4096, 4096, BF16, None) == config.forward_config(4096, 4096, BF16, SMS)
+        assert host.forward.cached_config(0, 4096, 4096, BF16, None) == config.forward_config(4096, 4096, BF16, SMS)
         # A forced kernel other than the winner's: the heuristics for that kernel.
-        assert host._forward_config(0, 4096, 4100, BF16, "gather").kernel == "gather"
-    assert host._forward_config(0, 4096, 4096, BF16, None) == before
+        assert host.forward.cached_config(0, 4096, 4100, BF16, "gather").kernel == "gather"
+    assert host.forward.cached_config(0, 4096, 4096, BF16, None) == before
     tuning.use_table(None)  # as a setter
     assert tuning.table_for(0) is None
     tuning.use_table("packaged")
@@ -334,7 +333,7 @@ def test_use_table_reads_a_file(host, tmp_path):
     path = tmp_path / "t.json"
     build.write(one_entry("backward", "fp16", 5120, odd), path)
     with tuning.use_table(str(path)):
-        b = host._backward_config(0, 1 << 20, 5000, torch.float16)
+        b = host.backward.cached_config(0, 1 << 20, 5000, torch.float16)
         assert (b.tile_m, b.tile_n, b.tail_n, b.grid, b.hints) == (4, 4096, 1024, SMS, (("num_worker_warps", 4),))
 
 
@@ -498,9 +497,9 @@ def test_a_cards_first_table_starts_from_its_classs(tune_table, tmp_path):
 
 def launched(host, m, n, add, dtype=BF16):
     """(kernel name, constants, hints) of the forward the host launches (``add``: the kernels' ADD)."""
-    plan = host._forward_launch(0, m, n, dtype, None, "llama", True, True, add)
-    gather = plan.kernel is host._kernels().rms_norm_fwd_gather
-    return ("rms_norm_fwd_gather" if gather else "rms_norm_fwd_persistent"), plan.constants, plan.hints
+    launch = host.forward.cached_launch(0, m, n, dtype, None, "llama", True, True, add).launch
+    gather = launch.kernel is host.common.kernels().rms_norm_fwd_gather
+    return ("rms_norm_fwd_gather" if gather else "rms_norm_fwd_persistent"), launch.constants, launch.hints
 
 
 def expected_launch(cand, m, n, add):
@@ -520,16 +519,16 @@ def test_fused_forward_takes_its_entry_then_the_forward_entry_then_the_heuristic
     plain = config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)
     doc = one_entry("forward", "bf16", 4224, plain)
     build.set_runs(doc, "fused_forward", "bf16", 4224, [{"m": 1, "winner": asdict(fused), "gbps": {}}])
-    pre, post = host._ADD_MODES["pre"], host._ADD_MODES["post"]
+    pre, post = host.forward.ADD_MODES["pre"], host.forward.ADD_MODES["post"]
     with tuning.use_table(doc):
         # plain first, then fused, from one cache: the two configs must not be confused
-        assert launched(host, m, n, host._ADD_NONE) == expected_launch(plain, m, n, 0)
+        assert launched(host, m, n, host.forward.ADD_NONE) == expected_launch(plain, m, n, 0)
         assert launched(host, m, n, pre) == expected_launch(fused, m, n, pre)
         assert launched(host, m, n, post) == expected_launch(fused, m, n, post)
-        assert launched(host, m, n, host._ADD_NONE) == expected_launch(plain, m, n, 0)
-        assert host._forward_config(0, m, n, BF16, None).kernel == "persistent"
+        assert launched(host, m, n, host.forward.ADD_NONE) == expected_launch(plain, m, n, 0)
+        assert host.forward.cached_config(0, m, n, BF16, None).kernel == "persistent"
         # a forced kernel other than the fused winner's: the forward entry's, which is of that kernel
-        cfg = host._forward_config(0, m, n, BF16, "persistent", "fused_forward")
+        cfg = host.forward.cached_config(0, m, n, BF16, "persistent", "fused_forward")
         assert (cfg.kernel, cfg.tile_m, cfg.grid) == ("persistent", 2, 3 * SMS)
     with tuning.use_table(one_entry("forward", "bf16", 4224, plain)):  # no fused entry: the forward's
         assert launched(host, m, n, pre) == expected_launch(plain, m, n, pre)
@@ -596,19 +595,19 @@ def test_the_hosts_qk_config_follows_the_qk_entry_and_is_the_heuristics_without_
     analytic = config.qk_config(m_q, m_k, d, BF16, SMS)
     shipped = tuning.packaged("sm90_132sm").lookup("qk", 32768, 64, BF16)
     if shipped is not None:  # the shipped table's measured entry is what the host launches
-        c = host._qk_config(0, m_q, m_k, d, BF16)
+        c = host.qk.cached_config(0, m_q, m_k, d, BF16)
         assert (c.fwd_tile_m, c.bwd_tile_m) == (shipped.fwd_tile_m, shipped.bwd_tile_m)
     with tuning.use_table(doc):
-        c = host._qk_config(0, m_q, m_k, d, BF16)
+        c = host.qk.cached_config(0, m_q, m_k, d, BF16)
         assert (c.tile_n, c.fwd_tile_m, c.bwd_tile_m) == (64, 512, 8)
         assert (c.fwd_grid, c.bwd_grid) == (32 + 8, SMS)  # 3 blocks per SM, capped by the row tiles of 512
         assert (c.fwd_hints, c.bwd_hints) == ((), (("occupancy", 4),))
-        assert host._qk_config(0, m_q, m_k, 128, BF16) == config.qk_config(m_q, m_k, 128, BF16, SMS)  # other D
-        assert host._qk_config(0, m_q, m_k, d, torch.float16) == config.qk_config(m_q, m_k, d, BF16, SMS)
+        assert host.qk.cached_config(0, m_q, m_k, 128, BF16) == config.qk_config(m_q, m_k, 128, BF16, SMS)  # other D
+        assert host.qk.cached_config(0, m_q, m_k, d, torch.float16) == config.qk_config(m_q, m_k, d, BF16, SMS)
         # below the entry's first run the floor rule gives the first run; a D of the same bucket shares it
-        assert host._qk_config(0, 64, 16, 33, BF16).fwd_tile_m == 512
+        assert host.qk.cached_config(0, 64, 16, 33, BF16).fwd_tile_m == 512
     with tuning.use_table(None):
-        assert host._qk_config(0, m_q, m_k, d, BF16) == analytic
+        assert host.qk.cached_config(0, m_q, m_k, d, BF16) == analytic
 
 
 @pytest.mark.parametrize(

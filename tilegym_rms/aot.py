@@ -63,7 +63,7 @@ _F32 = torch.float32
 
 
 def _forward_variant(f, x2, w1, rstd, residual, res_out, cast, has_w, store, add) -> tuple[str, tuple]:
-    """``(kernel name, params)`` of one forward launch (:func:`tilegym_rms.cutile._forward_launch`)."""
+    """``(kernel name, params)`` of one forward launch (:func:`tilegym_rms.cutile.host.forward.forward_launch`)."""
     if f.kernel == "persistent":
         return "rms_norm_fwd_persistent", (x2, w1, x2, rstd, residual, res_out, _S, _S, f.tile_m, f.tile_n,
                                            f.tail_n, cast, has_w, add)  # fmt: skip

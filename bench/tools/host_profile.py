@@ -54,7 +54,7 @@ def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
     x, w, dy, xg, fwd_bwd = inputs.x, inputs.w, inputs.dy, inputs.xg, inputs.fwd_bwd
     y, rstd = tilegym_rms.rms_norm_forward(x, w)
     stream_obj = torch.cuda.current_stream(device)
-    stream, grid, kernel, args = _prepared_forward(x, w, y, rstd)
+    stream, grid, kernel, args, _, _ = _prepared_forward(x, w)
     detached_grad_args = (xg.detach(),) + args[1:]
 
     return [
@@ -85,17 +85,17 @@ def steps(m: int, n: int, dtype: torch.dtype, device: torch.device):
     ]
 
 
-def _prepared_forward(x, w, y, rstd):
-    """``(raw stream, grid, hinted kernel, arguments)`` of the forward launch the host module makes for ``x``
-    (training forward: llama casting, rstd stored, no residual add), for timing ``ct.launch`` bare."""
-    import tilegym_rms.cutile as cutile
+def _prepared_forward(x, w):
+    """``(raw stream, grid, hinted kernel, arguments, y, rstd)`` of the forward launch the host module makes
+    for ``x`` (training forward: llama casting, rstd stored, no residual add), its arguments built by the host
+    (``y`` and ``rstd`` the outputs among them), for timing ``ct.launch`` bare."""
+    from tilegym_rms.cutile.host import forward
 
     m, n = x.shape
-    plan = cutile._forward_launch(x.get_device(), m, n, x.dtype, None, "llama", True, True, cutile._ADD_NONE)
-    stream = torch._C._cuda_getCurrentRawStream(x.get_device())
-    # no residual add: x and y stand in for the residual arguments, as the host module passes them
-    args = (x, w, y, rstd, x, y, 1e-6, 0.0) + plan.constants
-    return stream, plan.grid, plan.built, args
+    dev = x.get_device()
+    fl = forward.cached_launch(dev, m, n, x.dtype, None, "llama", True, True, forward.ADD_NONE)
+    y, rstd, args = forward.arguments(fl, x, None, None, w, 1e-6, 0.0)
+    return torch._C._cuda_getCurrentRawStream(dev), fl.launch.grid, fl.launch.built, args, y, rstd
 
 
 class _EmptyFunction(torch.autograd.Function):
@@ -169,17 +169,18 @@ def engine_thread_split(m, n, dtype, device, calls: int) -> list[tuple[str, floa
 
     import tilegym_rms
     import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile.host import backward
 
     inputs = _Inputs(m, n, dtype, device)
     x, w, dy, xg = inputs.x, inputs.w, inputs.dy, inputs.xg
     _, rstd = tilegym_rms.rms_norm_forward(x, w)
-    plan = cutile._backward_launch(device.index, m, n, dtype, True, False)
-    kernel, stream = plan.built, torch._C._cuda_getCurrentRawStream(device.index)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-    args = (dy, x, w, rstd, dx, dw, dx, 0.0) + plan.constants if plan.cfg.plan == "direct" else None
+    launches = backward.cached_launches(device.index, m, n, dtype, True, False)
+    calls = backward.arguments(launches, x, dy, None, w, rstd, 0.0)[2]  # the host's own arguments
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
     pieces = [("torch.empty_like(x)", lambda: torch.empty_like(x))]
-    if args is not None:
-        pieces.append(("ct.launch backward, prepared args", lambda: ct.launch(stream, plan.grid, kernel, args)))
+    if len(calls) == 1:  # one launch (few rows): timed bare too
+        launch, args = calls[0]
+        pieces.append(("ct.launch backward, prepared args", lambda: ct.launch(stream, launch.grid, launch.built, args)))
     pieces.append(("tilegym_rms.cutile.backward (host module)", lambda: cutile.backward(x, dy, w, rstd, 0.0, "llama")))
     rows = []
     for name, work in pieces:
@@ -203,8 +204,7 @@ def launch_then_grad(m, n, dtype, device, calls: int) -> list[tuple[str, float]]
 
     inputs = _Inputs(m, n, dtype, device)
     x, w = inputs.x, inputs.w
-    y, rstd = torch.empty_like(x), torch.empty(m, dtype=torch.float32, device=device)
-    stream, grid, kernel, args = _prepared_forward(x, w, y, rstd)
+    stream, grid, kernel, args, y, _ = _prepared_forward(x, w)
     floor = inputs.fwd_bwd(_EmptyFunction.apply)
 
     def cutile_launch():
@@ -229,8 +229,7 @@ def graph_replay(m, n, dtype, device, calls: int) -> list[tuple[str, float]]:
     import cuda.tile as ct
 
     x, w = torch.randn(m, n, dtype=dtype, device=device), torch.randn(n, dtype=dtype, device=device)
-    y, rstd = torch.empty_like(x), torch.empty(m, dtype=torch.float32, device=device)
-    stream, grid, kernel, args = _prepared_forward(x, w, y, rstd)
+    stream, grid, kernel, args, y, rstd = _prepared_forward(x, w)
     ct.launch(stream, grid, kernel, args)  # compiled before the capture
     torch.cuda.synchronize(device)
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)

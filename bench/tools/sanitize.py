@@ -6,7 +6,7 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 python -m bench.tools.sanitize --kernels racecheck --quick
 
 Each case launches one kernel class through the product's host code (``tilegym_rms.cutile.forward`` /
-``backward``, or the launch helper for the dw reduction), checks the outputs against the float64 reference
+``backward``, or the host's dw reduction launch), checks the outputs against the float64 reference
 (``tilegym_rms.reference``) and prints one line; the run ends with ``N passed, N failed`` and exits 1 on any
 failure (2 without a usable GPU). A plan that no longer matches its class (after a change to
 ``tilegym_rms/cutile/config.py``) fails its case instead of silently testing another kernel.
@@ -27,11 +27,11 @@ Classes (``--kernels`` takes class names, kernel names, ``forward``, ``backward`
 The backward has no public switch between its plans, so the script forces one the way ``bench/tools/tune_cutile.py``
 sweeps: it overrides the heuristics' thresholds that route between plans (``config.override``, the tuning
 table off) and clears the host caches (``tilegym_rms.cutile.clear_caches``) around the case; the plan itself
-still comes from the product's ``_backward_config``. No product file is patched. Compile-time constants depend
-on N, the dtype and the weight, never on M, and a forced plan keeps the product's tiles, so forcing a class
-onto a shape the product would route elsewhere compiles nothing new. Each line says how its class was reached:
-``picked``
-(what the product launches for that call), ``kernel=`` (the forward's ``kernel`` argument) or ``forced``.
+still comes from the product's host (``tilegym_rms.cutile.host.backward``). No product file is patched.
+Compile-time constants depend on N, the dtype and the weight, never on M, and a forced plan keeps the
+product's tiles, so forcing a class onto a shape the product would route elsewhere compiles nothing new. Each
+line says how its class was reached: ``picked`` (what the product launches for that call), ``kernel=`` (the
+forward's ``kernel`` argument) or ``forced``.
 
 Shapes: M in {1, 7, 4097}; N in {1, 3, 1000, 5120, 10001, 12288, 20000, 65537}, each class on the widths it
 applies to. 10001 is there because the other tail-tile widths fill their tail tile exactly: with it, the
@@ -97,7 +97,7 @@ import torch  # noqa: E402
 
 import tilegym_rms.cutile as cutile  # noqa: E402
 from tilegym_rms import reference  # noqa: E402
-from tilegym_rms.cutile import config, tuning  # noqa: E402
+from tilegym_rms.cutile import config, host, tuning  # noqa: E402
 from tilegym_rms.experimental import kernel_name  # noqa: E402
 
 M_VALUES = (1, 7, 4097)
@@ -275,9 +275,9 @@ def _hints_text(hints) -> str:
 
 def _config_for(cls: KernelClass, dev: int, m: int, n: int, dtype: torch.dtype, kernel=None):
     if cls.op == "forward":
-        return cutile._forward_config(dev, m, n, dtype, kernel)
+        return host.forward.cached_config(dev, m, n, dtype, kernel)
     if cls.op == "backward":
-        return cutile._backward_config(dev, m, n, dtype)
+        return host.backward.cached_config(dev, m, n, dtype)
     return None
 
 
@@ -290,7 +290,7 @@ def plan(case: Case, dev: int) -> Plan | None:
         except ValueError:  # e.g. kernel="persistent" on rows wider than its widest tile
             return None
         reduces = cls.op == "reduce" or (cls.op == "backward" and has_w and cfg.plan != "direct")
-        red = cutile._reduce_config(dev, n) if reduces else None
+        red = config.reduce_config(n, host.common.target(dev).sms) if reduces else None
     if cfg is not None and not cls.accepts(cfg):
         return None
     if cls.op == "reduce":
@@ -438,8 +438,8 @@ def run_case(case: Case, p: Plan, device: torch.device) -> dict[str, float]:
     if case.cls.op == "reduce":
         partial = torch.randn(m, n, dtype=torch.float32, device=device, generator=gen)
         dw = torch.empty(n, dtype=dtype, device=device)
-        args = (partial, dw, p.red.tile_g, p.red.tile_n)
-        cutile._launch()(cutile._kernels().rms_norm_dw_reduce, (p.red.grid,), args, dev)
+        reduce = host.backward.reduce_launch(host.common.target(dev), n)
+        host.common.run((host.backward.reduce_call(reduce, partial, dw),), dev)
         torch.cuda.synchronize(device)
         return {"dw": max_rel_err(dw, partial.double().sum(0))}
 

@@ -1,0 +1,128 @@
+"""The backward host: the norm's backward (:meth:`tilegym_rms.dispatch.Backend.backward`) and the fused add's
+(:meth:`tilegym_rms.dispatch.FusedAddBackwardBackend.fused_add_backward`, the kernels' ``HAS_DRES`` switch) on
+2-D views, and the dw reduction the qk backward shares: one to three launches (``config.BackwardConfig.plan``)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .. import config
+from . import common
+from .common import Launch, Target, make_launch, plain, target, weight_arg
+
+
+def config_for(tgt: Target, m: int, n: int, dtype: torch.dtype) -> config.BackwardConfig:
+    return config.backward_config(m, n, dtype, tgt.sms, tgt.table)
+
+
+def reduce_launch(tgt: Target, n: int) -> Launch:
+    """The dw reduction of an fp32 ``(rows, n)`` partial buffer into ``n`` columns."""
+    red = config.reduce_config(n, tgt.sms)
+    return make_launch(common.kernels().rms_norm_dw_reduce, (red.grid,), (red.tile_g, red.tile_n))
+
+
+def reduce_call(launch: Launch, dw_partial, dw) -> tuple[Launch, tuple]:
+    """``dw = dw_partial.sum(0)`` in a fixed order (``rms_norm_dw_reduce``); ``dw_partial`` is 2-D."""
+    return launch, (dw_partial, dw, *launch.constants)
+
+
+@dataclass(frozen=True)
+class BackwardLaunches:
+    """The launches of one backward call: ``main`` writes dx (and dw in the direct plan, dw partial rows
+    otherwise), after ``row_dot`` in the chunked plan; ``reduce`` sums the partial rows into dw (with a
+    weight, outside the direct plan)."""
+
+    cfg: config.BackwardConfig
+    main: Launch
+    partial_shape: tuple[int, int]  # the fp32 dw partial buffer; (1, 1): a dummy (direct plan, no weight)
+    row_dot: Launch | None = None
+    reduce: Launch | None = None
+
+
+def backward_launches(tgt: Target, m, n, dtype, has_w, has_dres) -> BackwardLaunches:
+    k = common.kernels()
+    cfg = config_for(tgt, m, n, dtype)
+    if cfg.plan == "direct":
+        constants = (cfg.tile_m, cfg.tile_n, cfg.strip_n, cfg.strip_m, has_w, has_dres)
+        grid = (cfg.grid + (cfg.num_chunks if has_w else 0),)
+        return BackwardLaunches(cfg, make_launch(k.rms_norm_bwd_direct, grid, constants, cfg.hints), (1, 1))
+    partial = (cfg.grid, n) if has_w else (1, 1)
+    reduce = reduce_launch(tgt, n) if has_w else None
+    if cfg.plan == "persistent":
+        constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w, has_dres, cfg.dw_per_row)
+        main = make_launch(k.rms_norm_bwd_persistent, (cfg.grid,), constants, cfg.hints)
+        return BackwardLaunches(cfg, main, partial, reduce=reduce)
+    row_dot_grid = (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),)
+    row_dot = make_launch(k.rms_norm_bwd_row_dot, row_dot_grid, (cfg.tile_m, cfg.tile_n, has_w), cfg.hints)
+    constants = (cfg.tile_m, cfg.tile_n, has_w, has_dres)
+    main = make_launch(k.rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), constants, cfg.hints)
+    return BackwardLaunches(cfg, main, partial, row_dot, reduce)
+
+
+def arguments(bl: BackwardLaunches, x, dy, dres, weight, rstd, offset) -> tuple:
+    """``(dx, dw, calls)``: the outputs allocated for one backward call and its ``(Launch, arguments)`` pairs
+    in launch order; ``dres`` (or None) is added to dx by the kernels' HAS_DRES."""
+    dx = torch.empty_like(x)
+    dy, x, w = plain(dy), plain(x), weight_arg(weight, x)
+    dres = plain(dres) if dres is not None else dx  # a dummy without the add (never read then)
+    dw = torch.empty_like(weight) if weight is not None else None  # weight is dense: (N,) contiguous, in its dtype
+    offset, main = float(offset), bl.main
+    if bl.cfg.plan == "direct":
+        return dx, dw, ((main, (dy, x, w, rstd, dx, w if dw is None else dw, dres, offset, *main.constants)),)
+    # A dummy keeps the signature when there is no weight (nothing is written to it then).
+    dw_partial = torch.empty(*bl.partial_shape, dtype=torch.float32, device=x.device)
+    if bl.row_dot is None:
+        calls = ((main, (dy, x, w, rstd, dx, dw_partial, dres, offset, *main.constants)),)
+    else:
+        row_dot = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        calls = (
+            (bl.row_dot, (dy, x, w, rstd, row_dot, offset, *bl.row_dot.constants)),
+            (main, (dy, x, w, rstd, row_dot, dx, dw_partial, dres, offset, *main.constants)),
+        )
+    if dw is not None:
+        calls += (reduce_call(bl.reduce, dw_partial, dw),)
+    return dx, dw, calls
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_config(dev: int, m: int, n: int, dtype) -> config.BackwardConfig:
+    return config_for(target(dev), m, n, dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_launches(dev: int, m, n, dtype, has_w, has_dres) -> BackwardLaunches:
+    return backward_launches(target(dev), m, n, dtype, has_w, has_dres)
+
+
+CACHES = (cached_config, cached_launches)
+
+
+def _backward(x, dy, dres, weight, rstd, offset):
+    m, n = x.shape
+    dev = x.get_device()
+    bl = cached_launches(dev, m, n, x.dtype, weight is not None, dres is not None)
+    dx, dw, calls = arguments(bl, x, dy, dres, weight, rstd, offset)
+    common.run(calls, dev)
+    return dx, dw
+
+
+def backward(x, dy, weight, rstd, offset, casting_mode):
+    """``(dx, dw)`` for 2-D ``x`` and ``dy``; see :class:`tilegym_rms.dispatch.Backend`."""
+    del casting_mode  # the backward formula is the same for every casting mode
+    return _backward(x, dy, None, weight, rstd, offset)
+
+
+def fused_add_backward(s, dy, dres, weight, rstd, offset, casting_mode):
+    """``(ds, dw)``: the norm's backward at the sum ``s`` plus ``dres`` (the gradient of residual_out, mode
+    "pre"), added in the same pass; see :class:`tilegym_rms.dispatch.FusedAddBackend`."""
+    del casting_mode  # as in backward
+    return _backward(s, dy, dres, weight, rstd, offset)
+
+
+def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of the fp32 dw partial buffer (grid x N x 4) the backward allocates (none in the direct plan)."""
+    cfg = cached_config(common.device_index(device), m, n, dtype)
+    return 0 if cfg.plan == "direct" else cfg.grid * n * 4

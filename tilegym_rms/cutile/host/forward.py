@@ -1,0 +1,113 @@
+"""The forward host: the norm (:meth:`tilegym_rms.dispatch.Backend.forward`) and the fused residual add
+(:meth:`tilegym_rms.dispatch.FusedAddBackend.fused_add_forward`, the kernels' ``ADD`` switch) on 2-D ``(M, N)``
+views whose last dim is dense: one launch of the gather or the persistent kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ...reference import CASTING_CODES
+from .. import config
+from . import common
+from .common import Launch, Target, make_launch, plain, target, weight_arg
+
+# The kernels' ADD switch (kernels.ADD_NONE / ADD_PRE / ADD_POST; kernels imports cuda.tile).
+ADD_NONE, ADD_MODES = 0, {"pre": 1, "post": 2}
+
+
+def config_for(tgt: Target, m: int, n: int, dtype: torch.dtype, kernel=None, op="forward") -> config.ForwardConfig:
+    """The forward configuration for an ``(m, n)`` input: tiles from M's bucket (a new M compiles nothing
+    new), the grid from the real M. ``op`` "fused_forward": the fused add's own table entry first (it moves
+    twice the bytes per row), then the plain forward's."""
+    cfg = config.forward_config(config.m_bucket(m), n, dtype, tgt.sms, kernel, tgt.table, op)
+    grid = m if cfg.kernel == "gather" else min(cfg.grid, config.cdiv(m, cfg.tile_m))
+    return dataclasses.replace(cfg, grid=grid)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardLaunch:
+    launch: Launch
+    allocates_rstd: bool  # the persistent kernel always stores rstd (see kernels.STORE_RSTD)
+
+
+def forward_launch(tgt: Target, m, n, dtype, kernel, casting_mode, has_w, store_rstd, add) -> ForwardLaunch:
+    """The launch of one forward call (``add``: the kernels' ADD, :data:`ADD_NONE` or one of
+    :data:`ADD_MODES`)."""
+    k = common.kernels()
+    cfg = config_for(tgt, m, n, dtype, kernel, "fused_forward" if add != ADD_NONE else "forward")
+    cast = CASTING_CODES[casting_mode]
+    if cfg.kernel == "gather":
+        kernel, grid = k.rms_norm_fwd_gather, (m,)
+        constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd, add)
+    else:
+        kernel, grid = k.rms_norm_fwd_persistent, (cfg.grid,)
+        constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add)
+    return ForwardLaunch(make_launch(kernel, grid, constants, cfg.hints), store_rstd or cfg.kernel != "gather")
+
+
+def arguments(fl: ForwardLaunch, x, residual, res_out, weight, eps, offset) -> tuple:
+    """``(y, rstd, args)``: the outputs allocated for one forward launch and the kernel's arguments (``residual``
+    read, ``res_out`` written in the fused add's "pre" mode; None without the add; ``rstd`` None unless
+    ``fl`` allocates it)."""
+    y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
+    # Sizes as separate ints: torch parses them faster than a tuple (PERFORMANCE.md, "Host path").
+    rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if fl.allocates_rstd else None
+    x = plain(x)
+    # Without rstd the kernel stores none, without the add it reads no residual and writes no sum: y and x
+    # stand in for those arguments.
+    args = (x, weight_arg(weight, x), y, y if rstd is None else rstd, x if residual is None else plain(residual),
+            y if res_out is None else res_out, float(eps), float(offset), *fl.launch.constants)  # fmt: skip
+    return y, rstd, args
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_config(dev: int, m: int, n: int, dtype, kernel, op="forward") -> config.ForwardConfig:
+    return config_for(target(dev), m, n, dtype, kernel, op)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_launch(dev: int, m, n, dtype, kernel, casting_mode, has_w, store_rstd, add) -> ForwardLaunch:
+    # The fused add (both modes) looks up its own table entry, then the plain norm's (tuning.FALLBACK): cached
+    # apart, since the two may differ.
+    return forward_launch(target(dev), m, n, dtype, kernel, casting_mode, has_w, store_rstd, add)
+
+
+CACHES = (cached_config, cached_launch)
+
+
+def _forward(x, residual, res_out, weight, eps, offset, casting_mode, store_rstd, kernel, add):
+    m, n = x.shape
+    dev = x.get_device()
+    fl = cached_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, add)
+    y, rstd, args = arguments(fl, x, residual, res_out, weight, eps, offset)
+    launch = fl.launch
+    common.launcher()(launch.kernel, launch.grid, args, dev, built=launch.built)
+    return y, (rstd if store_rstd else None)
+
+
+def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, kernel=None):
+    """``(y, rstd)`` for a 2-D ``x`` (``rstd`` None unless ``store_rstd``); see
+    :class:`tilegym_rms.dispatch.Backend`. ``kernel``: one of ``config.FORWARD_KERNELS``, None chooses."""
+    return _forward(x, None, None, weight, eps, offset, casting_mode, store_rstd, kernel, ADD_NONE)
+
+
+def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, store_rstd=True, residual_out=None,
+                      kernel=None):  # fmt: skip
+    """``(y, residual_out, rstd)`` of ``s = x + residual`` in one pass; see
+    :class:`tilegym_rms.dispatch.FusedAddBackend`. ``residual`` may have another dtype than ``x`` (the sum
+    is kept in residual's). ``residual_out`` (mode "pre") may be ``residual`` itself: each element of the
+    residual is read before the kernel overwrites it with its sum, by the same block (kernels.ADD)."""
+    if mode == "pre" and residual_out is None:
+        residual_out = torch.empty_like(residual)  # contiguous, as y: residual's rows are dense
+    res_out = residual_out if mode == "pre" else None
+    y, rstd = _forward(x, residual, res_out, weight, eps, offset, casting_mode, store_rstd, kernel, ADD_MODES[mode])
+    return y, (res_out if mode == "pre" else y), rstd
+
+
+def forward_config(x: torch.Tensor, kernel: str | None = None) -> config.ForwardConfig:
+    """The forward configuration the dispatcher picks for ``x`` (M, N); tests assert on it."""
+    m, n = x.shape
+    return cached_config(common.device_index(x.device), m, n, x.dtype, kernel)

@@ -1,0 +1,134 @@
+"""The QK-norm host (:class:`tilegym_rms.dispatch.QKNormBackend`): q and k in one launch forward, one backward
+and the dw reduction, on 3-D ``(G, H, D)`` views with a dense last dim."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ...reference import CASTING_CODES
+from .. import config
+from . import common
+from .backward import reduce_call, reduce_launch
+from .common import Launch, Target, make_launch, plain, target, weight_arg
+
+
+def config_for(tgt: Target, m_q: int, m_k: int, d: int, dtype: torch.dtype) -> config.QKConfig:
+    """Tiles, grids and hints for ``m_q`` rows of q and ``m_k`` of k: the table's qk entry for their rows
+    together, else the heuristics."""
+    entry = tgt.table.lookup("qk", m_q + m_k, d, dtype) if tgt.table is not None else None
+    return config.qk_config(m_q, m_k, d, dtype, tgt.sms, entry)
+
+
+def forward_launch(tgt: Target, m_q, m_k, d, dtype, casting_mode, has_wq, has_wk) -> Launch:
+    cfg = config_for(tgt, m_q, m_k, d, dtype)
+    constants = (cfg.fwd_tile_m, cfg.tile_n, CASTING_CODES[casting_mode], has_wq, has_wk)
+    return make_launch(common.kernels().qk_rms_norm_fwd, (cfg.fwd_grid,), constants, cfg.fwd_hints)
+
+
+@dataclass(frozen=True)
+class QKBackwardLaunches:
+    """The qk backward and, with a weight, the dw reduction of its ``(grid, 2, D)`` partial buffer: over both
+    weights' ``2 * D`` columns at once where they share a dtype (``one_reduction``), else over each weight's
+    ``D`` (one launch per weight)."""
+
+    main: Launch
+    partial_shape: tuple[int, int, int]  # (1, 1, 1): a dummy without weights
+    reduce: Launch | None
+    one_reduction: bool
+
+
+def backward_launches(tgt: Target, m_q, m_k, d, dtype, has_wq, has_wk, one_reduction) -> QKBackwardLaunches:
+    cfg = config_for(tgt, m_q, m_k, d, dtype)
+    constants = (cfg.bwd_tile_m, cfg.tile_n, has_wq, has_wk)
+    main = make_launch(common.kernels().qk_rms_norm_bwd, (cfg.bwd_grid,), constants, cfg.bwd_hints)
+    if not (has_wq or has_wk):
+        return QKBackwardLaunches(main, (1, 1, 1), None, False)
+    reduce = reduce_launch(tgt, 2 * d if one_reduction else d)
+    return QKBackwardLaunches(main, (cfg.bwd_grid, 2, d), reduce, one_reduction)
+
+
+def _tile_rows_along_dim0(*views):
+    """The kernels take row tiles along dim 0 of a ``(G, H, D)`` view. Where H > G (few, long groups: gaps
+    between batches only) every tile would hold G rows and pad the rest: the same rows are handed over as
+    ``(H, G, D)`` views instead (rstd too), which keeps the row order of the buffers."""
+    return tuple(v.transpose(0, 1) for v in views) if views[0].shape[1] > views[0].shape[0] else views
+
+
+def forward_arguments(launch: Launch, q, k, q_weight, k_weight, eps, offset) -> tuple:
+    """``(q_out, k_out, q_rstd, k_rstd, args)``: the outputs allocated for the qk forward and its arguments."""
+    yq, yk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    rq, rk = (t.new_empty(t.shape[:2], dtype=torch.float32) for t in (q, k))
+    qv, yqv, rqv = _tile_rows_along_dim0(plain(q), yq, rq)
+    kv, ykv, rkv = _tile_rows_along_dim0(plain(k), yk, rk)
+    args = (qv, kv, weight_arg(q_weight, q), weight_arg(k_weight, k), yqv, ykv, rqv, rkv, float(eps), float(offset),
+            *launch.constants)  # fmt: skip
+    return yq, yk, rq, rk, args
+
+
+def backward_arguments(bl: QKBackwardLaunches, q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset):
+    """``(dq, dk, dq_weight, dk_weight, calls)``: the outputs allocated for the qk backward and its
+    ``(Launch, arguments)`` pairs in launch order."""
+    dq, dk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    # A dummy keeps the signature when there is no weight (nothing is written to it then).
+    dw_partial = q.new_empty(bl.partial_shape, dtype=torch.float32)
+    qv = _tile_rows_along_dim0(plain(dq_out), plain(q), q_rstd, dq)
+    kv = _tile_rows_along_dim0(plain(dk_out), plain(k), k_rstd, dk)
+    args = (qv[0], kv[0], qv[1], kv[1], weight_arg(q_weight, q), weight_arg(k_weight, k), qv[2], kv[2], qv[3], kv[3])
+    calls = ((bl.main, (*args, dw_partial, float(offset), *bl.main.constants)),)
+    if bl.reduce is None:
+        return dq, dk, None, None, calls
+    d = bl.partial_shape[2]
+    if bl.one_reduction:
+        dw = q_weight.new_empty((2, d))
+        calls += (reduce_call(bl.reduce, dw_partial.view(bl.partial_shape[0], 2 * d), dw.view(2 * d)),)
+        return dq, dk, dw[0], dw[1], calls
+    dws = tuple(None if w is None else w.new_empty((d,)) for w in (q_weight, k_weight))
+    calls += tuple(reduce_call(bl.reduce, dw_partial[:, slot], dw) for slot, dw in enumerate(dws) if dw is not None)
+    return dq, dk, *dws, calls
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_config(dev: int, m_q: int, m_k: int, d: int, dtype) -> config.QKConfig:
+    return config_for(target(dev), m_q, m_k, d, dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_forward(dev: int, m_q, m_k, d, dtype, casting_mode, has_wq, has_wk) -> Launch:
+    return forward_launch(target(dev), m_q, m_k, d, dtype, casting_mode, has_wq, has_wk)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_backward(dev: int, m_q, m_k, d, dtype, has_wq, has_wk, one_reduction) -> QKBackwardLaunches:
+    return backward_launches(target(dev), m_q, m_k, d, dtype, has_wq, has_wk, one_reduction)
+
+
+CACHES = (cached_config, cached_forward, cached_backward)
+
+
+def _rows(q, k) -> tuple[int, int]:
+    return q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]
+
+
+def qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode):
+    """``(q_out, k_out, q_rstd, k_rstd)`` for 3-D views; see :class:`tilegym_rms.dispatch.QKNormBackend`."""
+    dev = q.get_device()
+    launch = cached_forward(dev, *_rows(q, k), q.shape[2], q.dtype, casting_mode, q_weight is not None,
+                            k_weight is not None)  # fmt: skip
+    yq, yk, rq, rk, args = forward_arguments(launch, q, k, q_weight, k_weight, eps, offset)
+    common.launcher()(launch.kernel, launch.grid, args, dev, built=launch.built)
+    return yq, yk, rq, rk
+
+
+def qk_backward(q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, casting_mode):
+    """``(dq, dk, dq_weight, dk_weight)``; see :class:`tilegym_rms.dispatch.QKNormBackend`."""
+    del casting_mode  # the backward formula is the same for every casting mode
+    dev = q.get_device()
+    has_wq, has_wk = q_weight is not None, k_weight is not None
+    one_reduction = has_wq and has_wk and q_weight.dtype == k_weight.dtype
+    bl = cached_backward(dev, *_rows(q, k), q.shape[2], q.dtype, has_wq, has_wk, one_reduction)
+    *grads, calls = backward_arguments(bl, q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset)
+    common.run(calls, dev)
+    return tuple(grads)
