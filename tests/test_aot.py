@@ -6,8 +6,11 @@ import pytest
 
 pytest.importorskip("cuda.tile")  # the [cuda] extra; before the kernels module, which imports it
 
+import torch  # noqa: E402
+
 from tilegym_rms import aot  # noqa: E402
 from tilegym_rms.cutile import kernels  # noqa: E402
+from tilegym_rms.reference import CASTING_CODES  # noqa: E402
 
 
 def test_variants_cover_every_kernel():
@@ -29,16 +32,19 @@ def test_variants_cover_every_kernel():
 
 def test_arithmetic_axes_are_compiled_for_every_kernel_class():
     """Each casting mode, the no-weight and (gather) the no-rstd forward, and the no-weight backward, appear
-    for both forward kernels and each backward plan's kernel: the axes TILE_CLASS_N keeps to a few widths."""
+    for both forward kernels and each backward kernel: the axes TILE_CLASS_N keeps to a few widths."""
     vs = aot.variants()
+
+    def constants(name):
+        return [v.constants() for v in vs if v.kernel_name == name]
+
+    casts = set(CASTING_CODES.values())
     for name in ("rms_norm_fwd_gather", "rms_norm_fwd_persistent"):
-        fwd = [v for v in vs if v.kernel_name == name and v.params[-1] == 0]  # ADD = 0: the plain norm
-        cast_w = {(v.params[-5], v.params[-4]) if name.endswith("gather") else v.params[-3:-1] for v in fwd}
-        assert cast_w >= {(0, True), (1, True), (2, True), (0, False)}, name
-    gather = [v for v in vs if v.kernel_name == "rms_norm_fwd_gather" and v.params[-1] == 0]
-    assert {v.params[-2] for v in gather} == {True, False}  # STORE_RSTD
+        plain = [c for c in constants(name) if c["ADD"] == 0]
+        assert {(c["CAST"], c["HAS_W"]) for c in plain} >= {*((cast, True) for cast in casts), (0, False)}, name
+    assert {c["STORE_RSTD"] for c in constants("rms_norm_fwd_gather") if c["ADD"] == 0} == {True, False}
     for name in ("rms_norm_bwd_direct", "rms_norm_bwd_persistent", "rms_norm_bwd_column_chunk"):
-        assert {v.params[-2] for v in vs if v.kernel_name == name} == {True, False}, name  # HAS_W
+        assert {c["HAS_W"] for c in constants(name)} == {True, False}, name
 
 
 @pytest.mark.parametrize("arch", aot.ARCHS)
@@ -68,7 +74,7 @@ def test_qk_variants_cover_the_head_dims_and_both_kernels():
     """The qk variants reach each representative head dim's tile width, forward and backward."""
     qk = aot.qk_variants()
     assert {v.kernel_name for v in qk} == {"qk_rms_norm_fwd", "qk_rms_norm_bwd", "rms_norm_dw_reduce"}
-    widths = {v.params[13] for v in qk if v.kernel_name == "qk_rms_norm_bwd"}
+    widths = {v.constants()["TILE_N"] for v in qk if v.kernel_name == "qk_rms_norm_bwd"}
     assert widths == set(aot.QK_REPRESENTATIVE_D)
     assert set(qk) <= set(aot.variants())  # the full check compiles them too
 
@@ -97,63 +103,72 @@ def _measured_points(op):
                         yield key, doc["device"]["sms"], run["m"], int(n_b), tuning.DTYPES[dt]
 
 
-def _forward_name(launch):
-    return "rms_norm_fwd_gather" if launch.kernel is kernels.rms_norm_fwd_gather else "rms_norm_fwd_persistent"
+def _meta(dtype, *shape):
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
-# the dx kernel of each backward plan, by the object the host launches
-_BACKWARD_NAMES = {
-    getattr(kernels, n): n for n in ("rms_norm_bwd_direct", "rms_norm_bwd_persistent", "rms_norm_bwd_column_chunk")
-}
+def _host_call(cutile, op, m, n, dtype):
+    """The host calls of a training step for ``op`` at ``(m, n)``, on meta tensors (a weight of x's dtype):
+    the forward, the fused add's forward in both modes, the backward with and without the residual gradient,
+    or the qk forward and backward (q and k of the sweep's heads, n their head dim)."""
+    from tilegym_rms.cutile.tuning import build
+
+    x, w, rstd = _meta(dtype, m, n), _meta(dtype, n), _meta(torch.float32, m)
+    if op == "forward":
+        cutile.forward(x, w, 1e-6, 0.0, "llama")
+    elif op == "fused_forward":
+        for mode in ("pre", "post"):
+            cutile.fused_add_forward(x, _meta(dtype, m, n), w, 1e-6, 0.0, "llama", mode=mode)
+    elif op == "backward":
+        cutile.backward(x, x, w, rstd, 0.0, "llama")
+        cutile.fused_add_backward(x, x, x, w, rstd, 0.0, "llama")
+    else:
+        tokens = build.qk_sweep_tokens(m)
+        q, k = (_meta(dtype, tokens, heads, n) for heads in build.QK_SWEEP_HEADS)
+        _, _, rq, rk = cutile.qk_forward(q, k, w, w, 1e-6, 0.0, "llama")
+        cutile.qk_backward(q, k, q, k, w, w, rq, rk, 0.0, "llama")
 
 
 def _check_hosts_launches(monkeypatch, require_every_op=False):
-    """The forward the host launches (kernel, constants, hints) at each measured table point, plain and
-    fused (ADD "pre" and "post"), the backward with and without the residual gradient, and the qk kernels
-    (a training call's), read from the host path itself, are among the variants the compile check builds."""
+    """Every launch the host's own functions make at each measured table point (:func:`_host_call`, on a
+    device of the table's class) is a variant the compile check builds: the same kernel, argument dtypes and
+    ranks, constants, and the build of its hints."""
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import launch, tuning
-    from tilegym_rms.cutile.host import backward, forward, qk
-    from tilegym_rms.cutile.tuning import build
+    from tilegym_rms.cutile.host import common
+    from tilegym_rms.experimental import kernel_name
 
-    # the constants: after the arrays and scalars (8 of a forward, 10 of the qk forward, 12 of its backward)
-    skip = {"qk_rms_norm_fwd": 10, "qk_rms_norm_bwd": 12, "rms_norm_bwd_column_chunk": 9, "rms_norm_bwd_row_dot": 6}
-    compiled = {(v.kernel_name, v.params[skip.get(v.kernel_name, 8) :], v.hints) for v in aot.variants()}
-    adds = {"forward": (forward.ADD_NONE,), "fused_forward": tuple(forward.ADD_MODES.values())}
-    checked = dict.fromkeys((*adds, "backward", "qk"), 0)
-    for op, modes in adds.items():
+    builds = {}  # (kernel name, params) -> the builds the compile check makes of that signature
+    for v in aot.variants():
+        builds.setdefault((v.kernel_name, v.params), []).append(
+            launch.with_hints(getattr(kernels, v.kernel_name), v.hints)
+        )
+    launched = []
+    monkeypatch.setattr(
+        common,
+        "launcher",
+        lambda: lambda kernel, grid, args, dev, hints=(), built=None: launched.append((kernel, args, built)),
+    )
+    checked = dict.fromkeys(("forward", "fused_forward", "backward", "qk"), 0)
+    for op in checked:
         for key, sms, m, n, dtype in _measured_points(op):
             monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
             monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
-            cutile.clear_caches()
-            for add in modes:
-                with tuning.use_table("packaged"):
-                    fl = forward.cached_launch(0, m, n, dtype, None, "llama", True, True, add).launch
-                assert (_forward_name(fl), fl.constants, fl.hints) in compiled, (op, key, m, n, dtype, fl)
-                checked[op] += 1
-    for key, sms, m, n, dtype in _measured_points("backward"):
-        monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
-        monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
-        cutile.clear_caches()
-        for has_dres in (False, True):  # the plain norm's backward and the fused add's
-            with tuning.use_table("packaged"):
-                b = backward.cached_launches(0, m, n, dtype, True, has_dres)
-            want = (_BACKWARD_NAMES[b.main.kernel], b.main.constants, b.cfg.hints)
-            assert want in compiled, (key, m, n, dtype, b)
-            if b.cfg.plan == "chunked":  # its first launch, the row dots
-                assert ("rms_norm_bwd_row_dot", b.row_dot.constants, b.cfg.hints) in compiled, (key, m, n, dtype, b)
-        checked["backward"] += 1
-    for key, sms, m, d, dtype in _measured_points("qk"):
-        monkeypatch.setattr(launch, "num_sms", lambda index, sms=sms: sms)
-        monkeypatch.setattr(tuning, "device_key", lambda index, key=key: key)
-        cutile.clear_caches()
-        tokens = build.qk_sweep_tokens(m)
-        with tuning.use_table("packaged"):
-            c = qk.cached_config(0, tokens * build.QK_SWEEP_HEADS[0], tokens * build.QK_SWEEP_HEADS[1], d, dtype)
-        assert ("qk_rms_norm_fwd", (c.fwd_tile_m, c.tile_n, 0, True, True), c.fwd_hints) in compiled, (key, m, d, c)
-        assert ("qk_rms_norm_bwd", (c.bwd_tile_m, c.tile_n, True, True), c.bwd_hints) in compiled, (key, m, d, c)
-        checked["qk"] += 1
-    cutile.clear_caches()
+            launched.clear()
+            with tuning.use_table("packaged"):  # clears the host caches on the way in and out
+                _host_call(cutile, op, m, n, dtype)
+            assert launched, (op, m, n)
+            for kernel, args, built in launched:
+                name = kernel_name(kernel)
+                assert any(b is built for b in builds.get((name, aot.params_of(args)), ())), (
+                    op,
+                    key,
+                    m,
+                    n,
+                    dtype,
+                    name,
+                )
+            checked[op] += 1
     assert checked["forward"], "the shipped tables hold no measured point"
     if require_every_op:
         assert all(checked.values()), checked
@@ -166,8 +181,6 @@ def test_the_hosts_launches_under_the_shipped_tables_are_compiled(monkeypatch):
 def _odd_table():
     """A table of measured winners the heuristics never pick, for every op a sweep writes."""
     from dataclasses import asdict
-
-    import torch
 
     from tilegym_rms.cutile import config, tuning
     from tilegym_rms.cutile.tuning import build

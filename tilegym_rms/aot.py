@@ -2,14 +2,16 @@
 
 Needs no GPU, only ``cuda-tile`` and the matched tileiras toolchain. Run it as
 ``python -m tilegym_rms.aot [--arch sm_90 ...]`` or ``tilegym-rms aot``: it prints a table and
-exits non-zero on any failure. The variants come from the same heuristics the dispatcher uses
-(:mod:`tilegym_rms.cutile.config`) and the shipped tuning tables, over a representative set of hidden
-sizes (the arithmetic-only axes, other dtypes than bf16 included, at one width per tile class, ``TILE_CLASS_N``).
+exits non-zero on any failure. The variants are what the host launches (:mod:`tilegym_rms.cutile.host`: its
+launches and its kernels' argument tuples, built on meta tensors) under the heuristics and the shipped tuning
+tables, over a representative set of hidden sizes (the arithmetic-only axes, other dtypes than bf16 included,
+at one width per tile class, ``TILE_CLASS_N``).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import io
 import multiprocessing
 import sys
@@ -20,6 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from .cutile import config
+from .cutile.host import backward as bwd
+from .cutile.host import forward as fwd
+from .cutile.host import qk
+from .cutile.host.common import Target
+from .experimental import kernel_name
+from .reference import CASTING_MODES
 
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
 # Hidden sizes that reach every tile shape class: tiny, a head dim (the short-row hints), non-power-of-two,
@@ -53,47 +61,49 @@ class Variant:
         hints = "".join(f" {k}={v}" for k, v in self.hints)
         return f"{self.kernel_name}[{','.join(shown)}]{hints}"
 
+    def constants(self) -> dict[str, object]:
+        """The compile-time constants by the kernel's parameter names, e.g. ``{"TILE_N": 4096, "CAST": 0, ...}``."""
+        from .cutile import kernels
 
-def _arr(dtype, ndim):
-    return ("array", dtype, ndim)
-
-
-_S = ("scalar",)
-_F32 = torch.float32
-
-
-def _forward_variant(f, x2, w1, rstd, residual, res_out, cast, has_w, store, add) -> tuple[str, tuple]:
-    """``(kernel name, params)`` of one forward launch (:func:`tilegym_rms.cutile.host.forward.forward_launch`)."""
-    if f.kernel == "persistent":
-        return "rms_norm_fwd_persistent", (x2, w1, x2, rstd, residual, res_out, _S, _S, f.tile_m, f.tile_n,
-                                           f.tail_n, cast, has_w, add)  # fmt: skip
-    consts = (f.tile_n, cast, has_w, f.single_tile, store, add)
-    return "rms_norm_fwd_gather", (x2, w1, x2, rstd, residual, res_out, _S, _S, *consts)
+        names = inspect.signature(getattr(kernels, self.kernel_name)._pyfunc).parameters
+        return {name: p for name, p in zip(names, self.params, strict=True) if not isinstance(p, tuple)}
 
 
-def _backward_variants(b, dtype, has_w, has_dres, add) -> None:
-    """The backward launches of config ``b`` (one dtype: x, dy, dx and dres alike), through ``add``."""
-    x2, w1, r1 = _arr(dtype, 2), _arr(dtype, 1), _arr(_F32, 1)
-    if b.plan == "direct":
-        args = (x2, x2, w1, r1, x2, w1, x2, _S, b.tile_m, b.tile_n, b.strip_n, b.strip_m, has_w, has_dres)
-        add("rms_norm_bwd_direct", *args, hints=b.hints)
-        return  # no partial buffer, no reduction
-    if b.plan == "persistent":
-        args = (x2, x2, w1, r1, x2, _arr(_F32, 2), x2, _S, b.tile_m, b.tile_n, b.tail_n, has_w, has_dres, b.dw_per_row)
-        add("rms_norm_bwd_persistent", *args, hints=b.hints)
-    else:
-        add("rms_norm_bwd_row_dot", x2, x2, w1, r1, r1, _S, b.tile_m, b.tile_n, has_w, hints=b.hints)
-        args = (x2, x2, w1, r1, r1, x2, _arr(_F32, 2), x2, _S, b.tile_m, b.tile_n, has_w, has_dres)
-        add("rms_norm_bwd_column_chunk", *args, hints=b.hints)
+def params_of(args: tuple) -> tuple:
+    """:attr:`Variant.params` of a launch's arguments: arrays by dtype and rank, float scalars, constants."""
+    return tuple(
+        ("array", a.dtype, a.ndim) if isinstance(a, torch.Tensor) else ("scalar",) if isinstance(a, float) else a
+        for a in args
+    )
 
 
 def _collector():
+    """``(found, add)``: ``add(calls)`` records the variant of each ``(Launch, arguments)`` pair of a host
+    call (:mod:`tilegym_rms.cutile.host`), in ``found``'s order."""
     found: dict[Variant, None] = {}
 
-    def add(name, *params, hints=()):
-        found.setdefault(Variant(name, params, hints), None)
+    def add(calls):
+        for launch, args in calls:
+            found.setdefault(Variant(kernel_name(launch.kernel), params_of(args), launch.hints), None)
 
     return found, add
+
+
+def _meta(dtype, *shape) -> torch.Tensor:
+    # The host allocates and views tensors as for a launch; on the meta device that costs nothing.
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _available(target: Target, m: int, n: int, dtype, kernels, op: str = "forward") -> list:
+    """The forward kernels of ``kernels`` (None: the dispatcher's choice) that serve rows of ``n``."""
+    out = []
+    for kernel in kernels:
+        try:
+            fwd.config_for(target, m, n, dtype, kernel, op)
+        except ValueError:
+            continue  # e.g. the persistent kernel on rows wider than its widest tile
+        out.append(kernel)
+    return out
 
 
 def variants_for(
@@ -108,30 +118,22 @@ def variants_for(
     """The kernel variants the dispatcher launches for an ``(m, n)`` input of ``dtype`` (forward in each of
     ``kernels``, backward and the dw reduction): with ``every_path``, every casting mode, the no-weight and
     the no-rstd variants on bf16; otherwise only a training call's (llama casting, weight, rstd stored).
-    ``table``: a tuning table whose winners the configs follow (None: the analytic heuristics)."""
+    ``table``: a tuning table whose winners the configs follow (None: the analytic heuristics). The weight
+    has x's dtype."""
+    target = Target(num_sms, table)
     found, add = _collector()
-    for kernel in kernels:
-        try:
-            f = config.forward_config(m, n, dtype, num_sms, kernel, table)
-        except ValueError:
-            continue  # kernel not available for this N
-        # Casting modes and the no-weight variant on fp32 weights; weight dtype = x dtype.
-        for cast, has_w in ((0, True), (1, True), (2, True), (0, False)):
-            if (dtype != torch.bfloat16 or not every_path) and (cast, has_w) != (0, True):
+    x, w, rstd = _meta(dtype, m, n), _meta(dtype, n), _meta(torch.float32, m)
+    for kernel in _available(target, m, n, dtype, kernels):
+        for casting_mode, has_w in (*((mode, True) for mode in CASTING_MODES), (CASTING_MODES[0], False)):
+            if (dtype != torch.bfloat16 or not every_path) and (casting_mode, has_w) != (CASTING_MODES[0], True):
                 continue  # the cast / no-weight axes are covered once, on bf16
-            x2, w1 = _arr(dtype, 2), _arr(dtype, 1)
-            # The persistent kernel always stores rstd; without rstd, y stands in for it.
-            stores = (True, False) if every_path and f.kernel == "gather" else (True,)
-            for store in stores:
-                rstd = _arr(_F32, 1) if store else x2
-                name, args = _forward_variant(f, x2, w1, rstd, x2, x2, cast, has_w, store, 0)
-                add(name, *args, hints=f.hints)
-    b = config.backward_config(m, n, dtype, num_sms, table)
+            for store in (True, False) if every_path else (True,):
+                launch = fwd.forward_launch(target, m, n, dtype, kernel, casting_mode, has_w, store, fwd.ADD_NONE)
+                *_, args = fwd.arguments(launch, x, None, None, w if has_w else None, 0.0, 0.0)
+                add(((launch.launch, args),))
     for has_w in (True, False) if every_path else (True,):
-        _backward_variants(b, dtype, has_w, False, add)
-    if b.plan != "direct":
-        red = config.reduce_config(n, num_sms)
-        add("rms_norm_dw_reduce", _arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)
+        launches = bwd.backward_launches(target, m, n, dtype, has_w, False)
+        add(bwd.arguments(launches, x, x, None, w if has_w else None, rstd, 0.0)[2])
     return list(found)
 
 
@@ -152,26 +154,25 @@ def fused_add_variants_for(
     m: int, n: int, dtype, residual_dtype, num_sms: int = REFERENCE_SMS, kernels=config.FORWARD_KERNELS, table=None
 ) -> list[Variant]:
     """The variants a fused add of ``(m, n)`` launches: the forward in each of ``kernels`` (None: the
-    dispatcher's choice), in modes "pre" and "post" (1, 2: the kernels' ADD), and the backward adding the
-    gradient of residual_out (``HAS_DRES``), which runs on the sum (``residual_dtype``). Llama casting with
-    a weight of x's dtype. ``table``: a tuning table whose winners the configs follow (the forward's
-    ``fused_forward`` entry, then its ``forward`` one, as the host)."""
+    dispatcher's choice), in modes "pre" and "post", and the backward adding the gradient of residual_out
+    (``HAS_DRES``), which runs on the sum (``residual_dtype``, as its weight). Llama casting with a weight of
+    x's dtype. ``table``: a tuning table whose winners the configs follow (the forward's ``fused_forward``
+    entry, then its ``forward`` one, as the host)."""
+    target = Target(num_sms, table)
     found, add = _collector()
     full = dtype == residual_dtype == torch.bfloat16
-    x2, w1, r2 = _arr(dtype, 2), _arr(dtype, 1), _arr(residual_dtype, 2)
-    for kernel in kernels:
-        try:
-            f = config.forward_config(m, n, dtype, num_sms, kernel, table, "fused_forward")
-        except ValueError:
-            continue
-        for mode in (1, 2) if full else (1,):
-            res_out = r2 if mode == 1 else x2  # "post" writes no sum: y stands in
-            for store in (True, False) if full and f.kernel == "gather" else (True,):
-                rstd = _arr(_F32, 1) if store else x2
-                name, args = _forward_variant(f, x2, w1, rstd, r2, res_out, 0, True, store, mode)
-                add(name, *args, hints=f.hints)
-    b = config.backward_config(m, n, residual_dtype, num_sms, table)
-    _backward_variants(b, residual_dtype, True, True, add)
+    x, w, residual = _meta(dtype, m, n), _meta(dtype, n), _meta(residual_dtype, m, n)
+    for kernel in _available(target, m, n, dtype, kernels, "fused_forward"):
+        for mode in fwd.ADD_MODES if full else ("pre",):
+            for store in (True, False) if full else (True,):
+                add_mode = fwd.ADD_MODES[mode]
+                launch = fwd.forward_launch(target, m, n, dtype, kernel, CASTING_MODES[0], True, store, add_mode)
+                res_out = torch.empty_like(residual) if mode == "pre" else None  # as the host's fused_add_forward
+                *_, args = fwd.arguments(launch, x, residual, res_out, w, 0.0, 0.0)
+                add(((launch.launch, args),))
+    launches = bwd.backward_launches(target, m, n, residual_dtype, True, True)
+    s, rstd = residual, _meta(torch.float32, m)
+    add(bwd.arguments(launches, s, s, s, _meta(residual_dtype, n), rstd, 0.0)[2])
     return list(found)
 
 
@@ -195,13 +196,16 @@ def _heuristic_variants() -> list[Variant]:
             for m in REPRESENTATIVE_M:
                 found.update(dict.fromkeys(fused_add_variants_for(m, n, dtype, residual_dtype)))
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
+    reductions, add = _collector()
     tile_n = config.HEURISTICS.reduce_min_tile_n
     while tile_n <= config.HEURISTICS.reduce_max_tile_n:
-        red = config.reduce_config(tile_n * REFERENCE_SMS, REFERENCE_SMS)
-        assert red.tile_n == tile_n
+        n = tile_n * REFERENCE_SMS
+        assert config.reduce_config(n, REFERENCE_SMS).tile_n == tile_n
+        launch = bwd.reduce_launch(Target(REFERENCE_SMS), n)
         for dtype in DTYPES:
-            found.setdefault(Variant("rms_norm_dw_reduce", (_arr(_F32, 2), _arr(dtype, 1), red.tile_g, red.tile_n)))
+            add((bwd.reduce_call(launch, _meta(torch.float32, REFERENCE_SMS, n), _meta(dtype, n)),))
         tile_n *= 2
+    found.update(reductions)
     return list(found)
 
 
@@ -235,10 +239,9 @@ def table_variants(arch: str | None = None) -> list[Variant]:
                     for run in (r for r in runs if "gbps" in r):
                         if op == "fused_forward":
                             more = fused_add_variants_for(run["m"], int(n_b), dtype, dtype, sms, (None,), table)
-                        elif op == "qk":  # the rows only set the grid here: the winner gives the tiles
-                            entry = table.lookup(op, run["m"], int(n_b), dtype)
+                        elif op == "qk":  # k's rows: q's and k's together fall in the run's M bucket
                             m_k = max(1, run["m"] // (QK_HEADS_RATIO + 1))
-                            more = qk_variants_for(m_k, int(n_b), dtype, sms, False, entry)
+                            more = qk_variants_for(m_k, int(n_b), dtype, sms, False, table)
                         else:
                             more = variants_for(run["m"], int(n_b), dtype, sms, (None,), False, table)
                         if op == "backward":  # the fused add's backward (HAS_DRES) runs on the same winner
@@ -258,23 +261,25 @@ QK_HEADS_RATIO = 4
 
 
 def qk_variants_for(
-    m: int, d: int, dtype, num_sms: int = REFERENCE_SMS, every_path: bool = True, entry=None
+    m: int, d: int, dtype, num_sms: int = REFERENCE_SMS, every_path: bool = True, table=None
 ) -> list[Variant]:
     """The qk kernel variants for ``m`` rows of k (``QK_HEADS_RATIO * m`` of q) of head dim ``d``: forward,
     backward and the dw reduction; with ``every_path``, every casting mode and the no-weight variants on
-    bf16 (as :func:`variants_for`). ``entry``: a tuning table's qk winner (None: the heuristics)."""
-    found: dict[Variant, None] = {}
-    cfg = config.qk_config(QK_HEADS_RATIO * m, m, d, dtype, num_sms, entry)
-    x3, w1, r2 = _arr(dtype, 3), _arr(dtype, 1), _arr(_F32, 2)
-    combos = ((0, True, True), (1, True, True), (2, True, True), (0, False, False), (0, True, False))
-    for cast, has_wq, has_wk in combos if dtype == torch.bfloat16 and every_path else combos[:1]:
-        args = (x3, x3, w1, w1, x3, x3, r2, r2, _S, _S, cfg.fwd_tile_m, cfg.tile_n, cast, has_wq, has_wk)
-        found.setdefault(Variant("qk_rms_norm_fwd", args, cfg.fwd_hints), None)
-        args = (x3, x3, x3, x3, w1, w1, r2, r2, x3, x3, _arr(_F32, 3), _S, cfg.bwd_tile_m, cfg.tile_n)
-        found.setdefault(Variant("qk_rms_norm_bwd", (*args, has_wq, has_wk), cfg.bwd_hints), None)
-    for width in (d, 2 * d):  # one weight's columns, or both weights' reduced in one launch
-        red = config.reduce_config(width, num_sms)
-        found.setdefault(Variant("rms_norm_dw_reduce", (_arr(_F32, 2), w1, red.tile_g, red.tile_n)), None)
+    bf16 (as :func:`variants_for`). ``table``: a tuning table whose qk winners the configs follow (None: the
+    heuristics). The weights have q's dtype."""
+    target = Target(num_sms, table)
+    found, add = _collector()
+    q, k, w = _meta(dtype, QK_HEADS_RATIO * m, 1, d), _meta(dtype, m, 1, d), _meta(dtype, d)
+    rows = q.shape[0], k.shape[0]
+    first = CASTING_MODES[0]
+    combos = (*((mode, True, True) for mode in CASTING_MODES), (first, False, False), (first, True, False))
+    for casting_mode, has_wq, has_wk in combos if dtype == torch.bfloat16 and every_path else combos[:1]:
+        wq, wk = (w if has else None for has in (has_wq, has_wk))
+        launch = qk.forward_launch(target, *rows, d, dtype, casting_mode, has_wq, has_wk)
+        *_, rq, rk, args = qk.forward_arguments(launch, q, k, wq, wk, 0.0, 0.0)
+        add(((launch, args),))
+        launches = qk.backward_launches(target, *rows, d, dtype, has_wq, has_wk, has_wq and has_wk)
+        add(qk.backward_arguments(launches, q, k, q, k, wq, wk, rq, rk, 0.0)[-1])
     return list(found)
 
 
