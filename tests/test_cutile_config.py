@@ -108,12 +108,12 @@ def test_backward_config_invariants(m, n):
     cfg = config.backward_config(m, n, torch.bfloat16, SMS)
     assert 1 <= cfg.grid <= max(m, 1)
     assert cfg.tile_m & (cfg.tile_m - 1) == 0
-    if cfg.plan == "direct":
+    if cfg.strategy == "direct":
         assert cfg.tile_n == config.next_pow2(n) and cfg.grid * cfg.tile_m >= m
         assert (
             cfg.num_chunks * cfg.strip_n >= n and cfg.strip_m * cfg.strip_n == config.HEURISTICS.bwd_direct_strip_elems
         )
-    elif cfg.plan == "persistent":
+    elif cfg.strategy == "persistent":
         assert (cfg.tile_n, cfg.tail_n) == config.split_row(n) and cfg.num_chunks == 1
     else:
         assert cfg.num_chunks * cfg.tile_n >= n and next_pow2_gt(n)
@@ -121,11 +121,12 @@ def test_backward_config_invariants(m, n):
 
 def test_backward_is_one_launch_for_few_rows_of_one_tile():
     few = config.HEURISTICS.bwd_direct_max_rows_per_sm * SMS
-    assert config.backward_config(few, 4096, torch.bfloat16, SMS).plan == "direct"
-    assert config.backward_config(few + 1, 4096, torch.bfloat16, SMS).plan == "persistent"
+    assert config.backward_config(few, 4096, torch.bfloat16, SMS).strategy == "direct"
+    assert config.backward_config(few + 1, 4096, torch.bfloat16, SMS).strategy == "persistent"
     wider = 2 * config.HEURISTICS.bwd_direct_max_tile_n
-    assert config.backward_config(8, wider, torch.bfloat16, SMS).plan == "persistent"
-    assert config.backward_config(8, 2 * config.HEURISTICS.bwd_max_single_tile_n, torch.bfloat16, SMS).plan == "chunked"
+    assert config.backward_config(8, wider, torch.bfloat16, SMS).strategy == "persistent"
+    widest = config.HEURISTICS.bwd_max_single_tile_n
+    assert config.backward_config(8, 2 * widest, torch.bfloat16, SMS).strategy == "chunked"
     strips = config.backward_config(8, 4096, torch.bfloat16, SMS)
     assert strips.strip_n == config.HEURISTICS.bwd_direct_min_strip_n  # 4096 / 132 SMs: the narrowest strip
     assert config.backward_config(8, 4096, torch.bfloat16, 16).strip_n == config.HEURISTICS.bwd_direct_max_strip_n
@@ -176,7 +177,7 @@ def test_compiler_hints_follow_the_tile_width(host):
     narrow_b = config.backward_config(65536, 5120, torch.bfloat16, SMS)  # 4096 + 1024: still narrow
     assert narrow_b.hints == (("occupancy", config.HEURISTICS.bwd_narrow_occupancy),)
     wide_b = config.backward_config(65536, config.HEURISTICS.bwd_max_single_tile_n, torch.bfloat16, SMS)
-    assert wide_b.plan == "persistent" and wide_b.grid == SMS * config.HEURISTICS.bwd_wide_blocks_per_sm
+    assert wide_b.strategy == "persistent" and wide_b.grid == SMS * config.HEURISTICS.bwd_wide_blocks_per_sm
     assert dict(wide_b.hints) == {
         "occupancy": config.HEURISTICS.bwd_wide_occupancy,
         "num_worker_warps": config.HEURISTICS.bwd_wide_worker_warps,
@@ -200,7 +201,7 @@ def test_short_16bit_rows_get_more_resident_blocks_and_short_backward_rows_talle
     for n, tile_m in ((64, 32), (96, 32), (128, 32), (256, p.max_tile_m)):
         for dtype in (BF16, torch.float32):
             b = config.backward_config(1 << 20, n, dtype, SMS)
-            assert (b.plan, b.tile_m) == ("persistent", tile_m), (n, dtype)
+            assert (b.strategy, b.tile_m) == ("persistent", tile_m), (n, dtype)
 
 
 def test_gather_hints_follow_the_tile_width_table(host):
@@ -332,7 +333,7 @@ def test_backward_keeps_dw_per_row_for_many_row_tiles_of_short_rows(n):
     rows of at most bwd_dw_per_row_max_row columns; one-row tiles and wider rows sum each tile at once."""
     bound = config.HEURISTICS.bwd_dw_per_row_max_row
     cfg = config.backward_config(65536, n, torch.bfloat16, SMS)
-    assert cfg.plan == "persistent"
+    assert cfg.strategy == "persistent"
     assert cfg.dw_per_row == (cfg.tile_m > 1 and cfg.tile_n + cfg.tail_n <= bound)
     with config.override(bwd_dw_per_row_max_row=0):
         assert not config.backward_config(65536, n, torch.bfloat16, SMS).dw_per_row

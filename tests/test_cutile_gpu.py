@@ -102,7 +102,7 @@ def test_backward_dw_per_row_and_per_tile(n, dtype, per_row_max):
     try:
         with config.override(bwd_dw_per_row_max_row=per_row_max):
             launches = backward.cached_launches(0, 4097, n, dtype, True, False)
-            assert launches.cfg.plan == "persistent" and launches.cfg.tile_m > 1
+            assert launches.cfg.strategy == "persistent" and launches.cfg.tile_m > 1
             assert launches.cfg.dw_per_row == (per_row_max > 0) == launches.main.constants[-1]
             _check(4097, n, dtype)
     finally:

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The forward / backward configs of the 14-shape grid (bench.common.base.GRID_M x GRID_N) as the heuristics chose
 # them before they became data (commit 76ffe7e, H100: 132 SMs), through the host (forward: M's bucket,
 # the grid following M). ForwardConfig: kernel, tile_m, tile_n, single_tile, grid, hints, tail_n.
-# BackwardConfig: plan, tile_m, tile_n, grid, num_chunks, hints, tail_n, strip_n, strip_m, and dw_per_row (added
+# BackwardConfig: strategy, tile_m, tile_n, grid, num_chunks, hints, tail_n, strip_n, strip_m, and dw_per_row (added
 # after the freeze: many-row tiles of at most Heuristics.bwd_dw_per_row_max_row columns).
 O2, O8, O4 = (("occupancy", 2),), (("occupancy", 8),), (("occupancy", 4),)
 W8O8 = (("num_worker_warps", 8), ("occupancy", 8))
@@ -116,7 +116,7 @@ def test_grid_configs_equal_the_heuristics_before_the_table(env_value):
             win_f = next(table.winners("forward", m, n, tuning.DTYPES[dt]))
             win_b = table.lookup("backward", m, n, tuning.DTYPES[dt])
             assert (f_got[0], f_got[1]) == (win_f.kernel, win_f.tile_m), (dt, m, n)
-            assert (b_got[0], b_got[1]) == (win_b.plan, win_b.tile_m), (dt, m, n)
+            assert (b_got[0], b_got[1]) == (win_b.strategy, win_b.tile_m), (dt, m, n)
     assert checked >= len(expected_grid()) // 3 or env_value is None
 
 
@@ -259,7 +259,7 @@ def test_the_product_launches_the_tables_winner(host, m, n):
         assert dict(f.hints) == {k: w[k] for k in ("occupancy", "num_worker_warps") if w[k]}
         b = host.backward.cached_config(0, m, n, dtype)
         w = winner(doc, "backward", dt, n_b, m_b)
-        assert (b.plan, b.tile_m, b.tile_n, b.tail_n) == (w["plan"], w["tile_m"], w["tile_n"], w["tail_n"])
+        assert (b.strategy, b.tile_m, b.tile_n, b.tail_n) == (w["strategy"], w["tile_m"], w["tile_n"], w["tail_n"])
 
 
 def one_entry(op, dt, n_b, cand, m=1):
@@ -340,7 +340,7 @@ def test_use_table_reads_a_file(host, tmp_path):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda d: d.update(schema=2), "'schema' must be 1"),
+        (lambda d: d.update(schema=3), "'schema' must be 2"),
         (lambda d: d["forward"]["bf16"].update({"4100": d["forward"]["bf16"].pop("4224")}), "not an N bucket"),
         (lambda d: d["forward"]["bf16"]["4224"][0]["winner"].update(tile_n=4096), "does not cover N = 4224"),
         (lambda d: d["forward"]["bf16"]["4224"][0]["winner"].update(tile_m=3), "powers of two"),
@@ -356,6 +356,20 @@ def test_an_invalid_table_says_what_is_wrong(mutate, message):
     mutate(doc)
     with pytest.raises(tuning.TuningTableError, match=message.replace("*", r"\*").replace("(", r"\(")):
         tuning.Table(doc, "t.json")
+
+
+def test_a_schema_1_table_loads_as_schema_2():
+    """Schema 1 named the backward's strategy "plan": a table written then (a TILEGYM_RMS_TUNING file) loads
+    with the same winners, its document in the current schema; the caller's document is left as it was."""
+    cand = config.BackwardCandidate("persistent", 4, 4096, 1024, 1, 0, 4)
+    doc = one_entry("backward", "fp16", 5120, cand)
+    old = json.loads(json.dumps(doc))
+    old["schema"] = 1
+    runs = old["backward"]["fp16"]["5120"]
+    runs[0]["winner"] = {("plan" if k == "strategy" else k): v for k, v in runs[0]["winner"].items()}
+    table = tuning.load(old)
+    assert table.lookup("backward", 1 << 20, 5000, torch.float16) == cand
+    assert table.doc == doc and old["schema"] == 1 and "plan" in runs[0]["winner"]
 
 
 def test_buckets():
@@ -377,7 +391,7 @@ def test_a_winner_serves_every_n_of_its_bucket():
             for n in {lo, (lo + n_b) // 2, n_b}:
                 b = config.build_backward(config.backward_candidate(m, n_b, BF16, SMS), m, n, SMS)
                 f = config.build_forward(config.forward_candidate(m, n_b, BF16, SMS), m, n, SMS)
-                assert b.tile_n + b.tail_n >= n or b.plan == "chunked"
+                assert b.tile_n + b.tail_n >= n or b.strategy == "chunked"
                 assert f.tile_n + f.tail_n >= n or not f.single_tile
 
 
@@ -393,8 +407,8 @@ def test_candidates_start_with_the_heuristics_and_are_valid():
                 assert all(tuning.candidate_error(op, c, n_b) is None for c in cands)
     kinds = {c.kernel for c in build.candidates("forward", 4096, 4096, BF16, SMS)}
     assert kinds == {"gather", "persistent"}
-    plans = {c.plan for c in build.candidates("backward", 8, 1024, BF16, SMS)}
-    assert plans == {"direct", "persistent"}
+    strategies = {c.strategy for c in build.candidates("backward", 8, 1024, BF16, SMS)}
+    assert strategies == {"direct", "persistent"}
 
 
 def test_select_winner_keeps_the_analytic_choice_within_the_noise():
@@ -833,7 +847,7 @@ def test_wide_candidates_build_each_persistent_tile_at_one_block_per_sm(op, n):
     """Every persistent tile shape the wide set times with the compiler's warps is also timed at one block per
     SM, with eight warps and with the compiler's warps at occupancy 1 (the deepest ring of load stages as
     launched, PERFORMANCE.md, "Toolchain"); the quick set has neither."""
-    kind = "kernel" if op == "forward" else "plan"
+    kind = "kernel" if op == "forward" else "strategy"
     wide = build.candidates(op, 32768, n, BF16, SMS, wide=True)
     quick = build.candidates(op, 32768, n, BF16, SMS)
     persistent = [c for c in wide if getattr(c, kind) == "persistent"]

@@ -1,6 +1,6 @@
 """Every cuTile kernel variant class on odd shapes, checked against float64: a driver for compute-sanitizer.
 
-    python -m bench.tools.sanitize --list                  # the plan: no GPU needed
+    python -m bench.tools.sanitize --list                  # the cases: no GPU needed
     python -m bench.tools.sanitize                         # plain run: compiles every variant, fills the disk cache
     compute-sanitizer --tool memcheck --error-exitcode 1 python -m bench.tools.sanitize
     compute-sanitizer --tool racecheck --error-exitcode 1 python -m bench.tools.sanitize --kernels racecheck --quick
@@ -8,7 +8,7 @@
 Each case launches one kernel class through the product's host code (``tilegym_rms.cutile.forward`` /
 ``backward``, or the host's dw reduction launch), checks the outputs against the float64 reference
 (``tilegym_rms.reference``) and prints one line; the run ends with ``N passed, N failed`` and exits 1 on any
-failure (2 without a usable GPU). A plan that no longer matches its class (after a change to
+failure (2 without a usable GPU). A case whose configuration no longer matches its class (after a change to
 ``tilegym_rms/cutile/config.py``) fails its case instead of silently testing another kernel.
 
 Classes (``--kernels`` takes class names, kernel names, ``forward``, ``backward``, ``racecheck`` or ``all``):
@@ -24,14 +24,15 @@ Classes (``--kernels`` takes class names, kernel names, ``forward``, ``backward`
 * ``bwd_chunked``: ``rms_norm_bwd_row_dot`` + ``rms_norm_bwd_column_chunk``, then ``rms_norm_dw_reduce``.
 * ``dw_reduce``: ``rms_norm_dw_reduce`` alone, on fp32 partial buffers of odd row counts (M is their rows).
 
-The backward has no public switch between its plans, so the script forces one the way ``bench/tools/tune_cutile.py``
-sweeps: it overrides the heuristics' thresholds that route between plans (``config.override``, the tuning
-table off) and clears the host caches (``tilegym_rms.cutile.clear_caches``) around the case; the plan itself
-still comes from the product's host (``tilegym_rms.cutile.host.backward``). No product file is patched.
-Compile-time constants depend on N, the dtype and the weight, never on M, and a forced plan keeps the
-product's tiles, so forcing a class onto a shape the product would route elsewhere compiles nothing new. Each
-line says how its class was reached: ``picked`` (what the product launches for that call), ``kernel=`` (the
-forward's ``kernel`` argument) or ``forced``.
+The backward has no public switch between its strategies, so the script forces one the way
+``bench/tools/tune_cutile.py`` sweeps: it overrides the heuristics' thresholds that route between strategies
+(``config.override``, the tuning table off) and clears the host caches (``tilegym_rms.cutile.clear_caches``)
+around the case; the configuration itself still comes from the product's host
+(``tilegym_rms.cutile.host.backward``). No product file is patched. Compile-time constants depend on N, the
+dtype and the weight, never on M, and a forced strategy keeps the product's tiles, so forcing a class onto a
+shape the product would route elsewhere compiles nothing new. Each line says how its class was reached:
+``picked`` (what the product launches for that call), ``kernel=`` (the forward's ``kernel`` argument) or
+``forced``.
 
 Shapes: M in {1, 7, 4097}; N in {1, 3, 1000, 5120, 10001, 12288, 20000, 65537}, each class on the widths it
 applies to. 10001 is there because the other tail-tile widths fill their tail tile exactly: with it, the
@@ -128,7 +129,7 @@ class KernelClass:
     name: str
     op: str  # "forward", "backward" or "reduce"
     kernels: tuple[str, ...]  # every kernel the class can launch
-    accepts: Callable  # config -> whether the plan is this class
+    accepts: Callable  # config -> whether the configuration is this class
     sums: str  # what it reduces inside a block (why racecheck covers it)
     kernel: str | None = None  # the forward's kernel argument
     store_rstd: bool = True
@@ -187,7 +188,7 @@ CLASSES = (
         "bwd_direct",
         "backward",
         (BWD_DIRECT,),
-        lambda c: c.plan == "direct",
+        lambda c: c.strategy == "direct",
         "row dots of x^ and g (dx blocks); dw columns over the rows of a strip (strip blocks)",
         patch=(("bwd_direct_max_rows_per_sm", UNLIMITED),),
     ),
@@ -195,7 +196,7 @@ CLASSES = (
         "bwd_persistent",
         "backward",
         (BWD_PERSISTENT, REDUCE),
-        lambda c: c.plan == "persistent",
+        lambda c: c.strategy == "persistent",
         "row dots (over the rows' columns) each grid-stride step; dw over the tile's rows each step, or once per"
         " block at the end (dw per row)",
         patch=(("bwd_direct_max_tile_n", 0),),
@@ -204,7 +205,7 @@ CLASSES = (
         "bwd_chunked",
         "backward",
         (ROW_DOT, COLUMN_CHUNK, REDUCE),
-        lambda c: c.plan == "chunked",
+        lambda c: c.strategy == "chunked",
         "row dots over column chunks (row_dot); dw over the tile's rows each step (column_chunk)",
         patch=(("bwd_direct_max_tile_n", 0), ("bwd_max_single_tile_n", 0)),
         # One chunk almost all padding, then partial last chunks of several sizes down to one column.
@@ -242,7 +243,7 @@ class Case:
 
 
 @dataclasses.dataclass
-class Plan:
+class Expected:
     """What the host will launch for a case."""
 
     cfg: object  # ForwardConfig / BackwardConfig / None (dw_reduce)
@@ -255,7 +256,7 @@ class Plan:
 
 @contextlib.contextmanager
 def overridden(patch):
-    """Heuristics parameters set to force a plan, with the host caches cleared on the way in and out. The
+    """Heuristics parameters set to force a class, with the host caches cleared on the way in and out. The
     tuning table is off meanwhile: its winner would not see the patch."""
     if not patch:
         yield
@@ -281,15 +282,15 @@ def _config_for(cls: KernelClass, dev: int, m: int, n: int, dtype: torch.dtype, 
     return None
 
 
-def plan(case: Case, dev: int) -> Plan | None:
-    """The case's launch plan as the host computes it, or None when the class does not apply to the shape."""
+def expected(case: Case, dev: int) -> Expected | None:
+    """What the case launches as the host computes it, or None when the class does not apply to the shape."""
     cls, m, n, dtype, has_w = case.cls, case.m, case.n, case.dtype, case.has_w
     with overridden(cls.patch):
         try:
             cfg = _config_for(cls, dev, m, n, dtype, cls.kernel)
         except ValueError:  # e.g. kernel="persistent" on rows wider than its widest tile
             return None
-        reduces = cls.op == "reduce" or (cls.op == "backward" and has_w and cfg.plan != "direct")
+        reduces = cls.op == "reduce" or (cls.op == "backward" and has_w and cfg.strategy != "direct")
         red = config.reduce_config(n, host.common.target(dev).sms) if reduces else None
     if cfg is not None and not cls.accepts(cfg):
         return None
@@ -304,7 +305,7 @@ def plan(case: Case, dev: int) -> Plan | None:
         else:
             how = "forced"
     kernels, variants, text = _describe(case, cfg, red)
-    return Plan(cfg, red, how, kernels, variants, text)
+    return Expected(cfg, red, how, kernels, variants, text)
 
 
 def _describe(case: Case, cfg, red):
@@ -325,12 +326,12 @@ def _describe(case: Case, cfg, red):
         variants.append((PERSISTENT, dt, cfg.tile_m, cfg.tile_n, cfg.tail_n, CASTING, w, cfg.hints))
         tail = f"+{cfg.tail_n}" if cfg.tail_n else ""
         parts.append(f"persistent {cfg.tile_m}x{cfg.tile_n}{tail} grid={cfg.grid} {_hints_text(cfg.hints)}")
-    elif cfg.plan == "direct":
+    elif cfg.strategy == "direct":
         kernels.append(BWD_DIRECT)
         variants.append((BWD_DIRECT, dt, cfg.tile_m, cfg.tile_n, cfg.strip_n, cfg.strip_m, w, cfg.hints))
         strips = f" + {cfg.num_chunks} strips {cfg.strip_m}x{cfg.strip_n}" if w else ""
         parts.append(f"direct {cfg.tile_m}x{cfg.tile_n} grid={cfg.grid}{strips} {_hints_text(cfg.hints)}")
-    elif cfg.plan == "persistent":
+    elif cfg.strategy == "persistent":
         kernels.append(BWD_PERSISTENT)
         variants.append((BWD_PERSISTENT, dt, cfg.tile_m, cfg.tile_n, cfg.tail_n, w, cfg.dw_per_row, cfg.hints))
         tail = f"+{cfg.tail_n}" if cfg.tail_n else ""
@@ -352,12 +353,12 @@ def _describe(case: Case, cfg, red):
     return tuple(kernels), tuple(variants), "; ".join(parts)
 
 
-def cases_for(classes, quick: bool, max_elements: int, dev: int) -> list[tuple[Case, Plan]]:
+def cases_for(classes, quick: bool, max_elements: int, dev: int) -> list[tuple[Case, Expected]]:
     ms = QUICK_M_VALUES if quick else M_VALUES
     out = []
     for cls in classes:
         # Widths the class applies to (at any M: only the forced thresholds look at M, and they admit all).
-        ns = [n for n in (cls.ns or N_VALUES) if plan(Case(cls, ms[-1], n, torch.bfloat16, True), dev)]
+        ns = [n for n in (cls.ns or N_VALUES) if expected(Case(cls, ms[-1], n, torch.bfloat16, True), dev)]
         if not ns:
             continue
         ends = sorted({ns[0], ns[-1]})
@@ -369,7 +370,7 @@ def cases_for(classes, quick: bool, max_elements: int, dev: int) -> list[tuple[C
             case = Case(cls, m, n, dtype, has_w)
             if m * n > max_elements:
                 continue
-            p = plan(case, dev)
+            p = expected(case, dev)
             if p is not None:
                 out.append((case, p))
     return out
@@ -430,7 +431,7 @@ def max_rel_err(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None
     return ((out.double() - ref).abs() / (ref.abs() + floor)).max().item()
 
 
-def run_case(case: Case, p: Plan, device: torch.device) -> dict[str, float]:
+def run_case(case: Case, p: Expected, device: torch.device) -> dict[str, float]:
     """Launches the case's kernels through the host code; returns the relative error of each output."""
     m, n, dtype = case.m, case.n, case.dtype
     gen = torch.Generator(device=device).manual_seed(case.seed)
@@ -482,7 +483,7 @@ def _is_cuda_failure(exc: BaseException) -> bool:
     return any(s in text for s in ("CUDA error", "CUDA_ERROR", "cudaError", "AcceleratorError"))
 
 
-def execute(selected: list[tuple[Case, Plan]], device: torch.device) -> int:
+def execute(selected: list[tuple[Case, Expected]], device: torch.device) -> int:
     passed = failed = 0
     per_class: dict[str, list[int]] = {}
     t_start = time.perf_counter()
@@ -498,10 +499,10 @@ def execute(selected: list[tuple[Case, Plan]], device: torch.device) -> int:
                 # The configuration the launch will read from the host's cache, under the same overrides.
                 live = _config_for(case.cls, device.index, case.m, case.n, case.dtype, case.cls.kernel)
                 if live != p.cfg:
-                    raise AssertionError(f"configuration {live}, planned {p.cfg}")
+                    raise AssertionError(f"configuration {live}, expected {p.cfg}")
                 errs = run_case(case, p, device)
             if tuple(launched) != p.kernels:
-                raise AssertionError(f"launched {'+'.join(launched) or 'nothing'}, planned {'+'.join(p.kernels)}")
+                raise AssertionError(f"launched {'+'.join(launched) or 'nothing'}, expected {'+'.join(p.kernels)}")
         except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on where it can
             error = exc
         ok = error is None and all(e <= tol for e in errs.values())  # NaN compares False: a failure
@@ -534,8 +535,8 @@ def execute(selected: list[tuple[Case, Plan]], device: torch.device) -> int:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def print_plan(selected: list[tuple[Case, Plan]], classes: list[KernelClass], sms: str) -> None:
-    print(f"plan for {sms}")
+def print_cases(selected: list[tuple[Case, Expected]], classes: list[KernelClass], sms: str) -> None:
+    print(f"cases for {sms}")
     for i, (case, p) in enumerate(selected, 1):
         print(f"{i:>4} {case.label} {p.how:<6} {'+'.join(p.kernels):<60} {p.text}")
     print()
@@ -565,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"classes or kernels to run (default all): {', '.join(_choices())}",
     )
     parser.add_argument("--quick", action="store_true", help="fewer shapes (M 7 and 4097, narrowest and widest N)")
-    parser.add_argument("--list", action="store_true", help="print the planned cases and exit (no GPU needed)")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     parser.add_argument(
         "--max-elements",
         type=int,
@@ -603,7 +604,7 @@ def main(argv=None) -> int:
     selected = cases_for(classes, args.quick, max_elements, dev)
     missing = [c.name for c in classes if not any(case.cls is c for case, _ in selected)]
     if args.list:
-        print_plan(selected, classes, sms)
+        print_cases(selected, classes, sms)
         if missing:
             print(f"no case for: {', '.join(missing)}")
         return 1 if missing else 0

@@ -1,7 +1,7 @@
 """Write a cuTile tuning table (``tilegym_rms/cutile/tuning/<key>.json``): time candidates per bucket on a GPU.
 
 For each (op, dtype, N bucket, M bucket) the sweep times the candidates of ``build.candidates`` (the
-analytic choice first, then a few neighbours of each kernel or plan) through the product's own host path,
+analytic choice first, then a few neighbours of each kernel or strategy) through the product's own host path,
 each installed as a one-entry table (``tuning.use_table``), with the benchmarks' method: the sum of the
 op's kernels' device time (torch.profiler) over inputs rotating through more than 4x the L2 cache. The
 winner is the fastest unless it beats the analytic choice by less than ``--min-gain``; every candidate's
@@ -57,7 +57,6 @@ buckets (``tilegym_rms.cutile.tuning``) and the candidates, winner rule, merge a
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -217,10 +216,10 @@ def main(argv=None) -> int:
     if args.overlay:
         if not args.out:
             parser.error("--overlay needs --out")
-        measured = json.loads(open(args.overlay).read())
+        measured = tuning.load(args.overlay).doc  # validated, in the current schema
         dev = measured["device"]
         if args.base:  # read before --out may overwrite it
-            base = json.loads(open(args.base).read())
+            base = tuning.load(args.base).doc
             if build.is_card_of(dev["key"], base["device"]["key"]):
                 base = build.card_start(base, dev)  # the card's first table, begun from its class's
         else:
@@ -237,7 +236,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.out} ({key}, analytic)")
         return 0
     ops, points = sweep_args(args)
-    base_doc = json.loads(open(args.merge).read()) if args.merge else None
+    base_doc = tuning.load(args.merge).doc if args.merge else None
     done = measured_points(base_doc)
     if args.plan:
         p = plan(ops, points, args.sms or 132, done, args.wide)

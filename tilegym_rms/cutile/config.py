@@ -2,7 +2,7 @@
 compiler hints.
 
 Kept apart from the kernels so that tuning never touches kernel code. A choice is a *candidate*
-(:class:`ForwardCandidate`, :class:`BackwardCandidate`: kernel or plan, tiles, blocks per SM, hints),
+(:class:`ForwardCandidate`, :class:`BackwardCandidate`: kernel or strategy, tiles, blocks per SM, hints),
 turned into a launch configuration for one ``(M, N)`` by :func:`build_forward` / :func:`build_backward`.
 The candidate comes from the device's tuning table (:mod:`.tuning`) where it has an entry, else from the
 analytic heuristics, pure functions of ``(M, N, dtype, num_sms)`` whose parameters are the fields of
@@ -127,7 +127,7 @@ class Heuristics:
     # Few rows (at most this many per SM) of at most bwd_direct_max_tile_n padded columns: the backward is one
     # launch, rms_norm_bwd_direct, whose extra blocks sum dw strips over all rows, instead of the persistent
     # kernel, a partial buffer and the reduction; wider rows lost, the strips' M-row walk being the long
-    # pole (PERFORMANCE.md, "Backward", "Plans"). Strips: at least one per SM where N allows, and about
+    # pole (PERFORMANCE.md, "Backward", "Strategies"). Strips: at least one per SM where N allows, and about
     # bwd_direct_strip_elems elements of x and of dy per step.
     bwd_direct_max_rows_per_sm: int = 4
     bwd_direct_max_tile_n: int = 4096
@@ -196,7 +196,7 @@ class BackwardConfig:
     # "direct" (few rows: rms_norm_bwd_direct writes dx and dw), "persistent" (rows fit one tile, or a
     # tile and a tail tile: rms_norm_bwd_persistent writes dx and dw partial rows, then the reduction) or
     # "chunked" (rms_norm_bwd_row_dot and rms_norm_bwd_column_chunk over column chunks, then the reduction)
-    plan: str
+    strategy: str
     tile_m: int
     tile_n: int
     grid: int  # row workers: rows of the dw partial buffer (direct: dx blocks, one per row tile)
@@ -226,7 +226,7 @@ class ForwardCandidate:
 class BackwardCandidate:
     """The tunable choices of a backward launch (see :class:`ForwardCandidate`)."""
 
-    plan: str  # "direct", "persistent" or "chunked"
+    strategy: str  # "direct", "persistent" or "chunked"
     tile_m: int
     tile_n: int  # chunked: the column chunk
     tail_n: int  # persistent: the tail tile (0: none)
@@ -235,7 +235,7 @@ class BackwardCandidate:
     num_worker_warps: int
 
 
-BACKWARD_PLANS = ("direct", "persistent", "chunked")
+BACKWARD_STRATEGIES = ("direct", "persistent", "chunked")
 
 
 @contextlib.contextmanager
@@ -381,13 +381,13 @@ def _dw_per_row(cand: BackwardCandidate, m: int, p: Heuristics) -> bool:
 def build_backward(cand: BackwardCandidate, m: int, n: int, num_sms: int) -> BackwardConfig:
     """The launch configuration of a candidate for an ``(m, n)`` input (grids and dw strips follow M, N)."""
     hints = _hints(occupancy=cand.occupancy, num_worker_warps=cand.num_worker_warps)
-    if cand.plan == "direct":
+    if cand.strategy == "direct":
         p = HEURISTICS
         strip_n = _strip_width(n, num_sms, p.bwd_direct_min_strip_n, p.bwd_direct_max_strip_n)
         strip_m = prev_pow2(p.bwd_direct_strip_elems // strip_n)
         grid = cdiv(m, cand.tile_m)
         return BackwardConfig("direct", cand.tile_m, cand.tile_n, grid, cdiv(n, strip_n), hints, 0, strip_n, strip_m)
-    if cand.plan == "persistent":
+    if cand.strategy == "persistent":
         grid = min(num_sms * cand.blocks_per_sm, cdiv(m, cand.tile_m))
         per_row = _dw_per_row(cand, m, HEURISTICS)
         return BackwardConfig("persistent", cand.tile_m, cand.tile_n, grid, 1, hints, cand.tail_n, dw_per_row=per_row)

@@ -1,6 +1,6 @@
 """The backward host: the norm's backward (:meth:`tilegym_rms.dispatch.Backend.backward`) and the fused add's
 (:meth:`tilegym_rms.dispatch.FusedAddBackwardBackend.fused_add_backward`, the kernels' ``HAS_DRES`` switch) on
-2-D views, and the dw reduction the qk backward shares: one to three launches (``config.BackwardConfig.plan``)."""
+2-D views, and the dw reduction the qk backward shares: one to three launches (``config.BackwardConfig.strategy``)."""
 
 from __future__ import annotations
 
@@ -31,13 +31,13 @@ def reduce_call(launch: Launch, dw_partial, dw) -> tuple[Launch, tuple]:
 
 @dataclass(frozen=True)
 class BackwardLaunches:
-    """The launches of one backward call: ``main`` writes dx (and dw in the direct plan, dw partial rows
-    otherwise), after ``row_dot`` in the chunked plan; ``reduce`` sums the partial rows into dw (with a
-    weight, outside the direct plan)."""
+    """The launches of one backward call: ``main`` writes dx (and dw in the direct strategy, dw partial rows
+    otherwise), after ``row_dot`` in the chunked strategy; ``reduce`` sums the partial rows into dw (with a
+    weight, outside the direct strategy)."""
 
     cfg: config.BackwardConfig
     main: Launch
-    partial_shape: tuple[int, int]  # the fp32 dw partial buffer; (1, 1): a dummy (direct plan, no weight)
+    partial_shape: tuple[int, int]  # the fp32 dw partial buffer; (1, 1): a dummy (direct strategy, no weight)
     row_dot: Launch | None = None
     reduce: Launch | None = None
 
@@ -45,13 +45,13 @@ class BackwardLaunches:
 def backward_launches(tgt: Target, m, n, dtype, has_w, has_dres) -> BackwardLaunches:
     k = common.kernels()
     cfg = config_for(tgt, m, n, dtype)
-    if cfg.plan == "direct":
+    if cfg.strategy == "direct":
         constants = (cfg.tile_m, cfg.tile_n, cfg.strip_n, cfg.strip_m, has_w, has_dres)
         grid = (cfg.grid + (cfg.num_chunks if has_w else 0),)
         return BackwardLaunches(cfg, make_launch(k.rms_norm_bwd_direct, grid, constants, cfg.hints), (1, 1))
     partial = (cfg.grid, n) if has_w else (1, 1)
     reduce = reduce_launch(tgt, n) if has_w else None
-    if cfg.plan == "persistent":
+    if cfg.strategy == "persistent":
         constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w, has_dres, cfg.dw_per_row)
         main = make_launch(k.rms_norm_bwd_persistent, (cfg.grid,), constants, cfg.hints)
         return BackwardLaunches(cfg, main, partial, reduce=reduce)
@@ -70,7 +70,7 @@ def arguments(bl: BackwardLaunches, x, dy, dres, weight, rstd, offset) -> tuple:
     dres = plain(dres) if dres is not None else dx  # a dummy without the add (never read then)
     dw = torch.empty_like(weight) if weight is not None else None  # weight is dense: (N,) contiguous, in its dtype
     offset, main = float(offset), bl.main
-    if bl.cfg.plan == "direct":
+    if bl.cfg.strategy == "direct":
         return dx, dw, ((main, (dy, x, w, rstd, dx, w if dw is None else dw, dres, offset, *main.constants)),)
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
     dw_partial = torch.empty(*bl.partial_shape, dtype=torch.float32, device=x.device)
@@ -123,6 +123,6 @@ def fused_add_backward(s, dy, dres, weight, rstd, offset, casting_mode):
 
 
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes of the fp32 dw partial buffer (grid x N x 4) the backward allocates (none in the direct plan)."""
+    """Bytes of the fp32 dw partial buffer (grid x N x 4) the backward allocates (none in the direct strategy)."""
     cfg = cached_config(common.device_index(device), m, n, dtype)
-    return 0 if cfg.plan == "direct" else cfg.grid * n * 4
+    return 0 if cfg.strategy == "direct" else cfg.grid * n * 4

@@ -12,10 +12,10 @@ to 16384, of 4096 up to 32768 and of 8192 up to 65536 (:data:`N_BUCKETS`); an N 
 takes the next one up, so the winner's tiles cover it (N above 65536: no entry). ``M``: powers of two
 from 1 to 2**22 (M rounded up to one; larger M clamp to 2**22).
 
-Schema (``"schema": 1``)::
+Schema (``"schema": 2``)::
 
     {
-      "schema": 1,
+      "schema": 2,
       "device": {"key": "sm90_132sm", "name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "sms": 132},
       "source": "analytic" | "measured" | "mixed",
       "generated_by": "the command line that wrote it",
@@ -31,9 +31,10 @@ Schema (``"schema": 1``)::
 Runs are sorted by ``m``; the run for an M bucket is the last one whose ``m`` is at most it (M buckets below
 the first run take the first run). A forward winner has the fields of :class:`..config.ForwardCandidate`
 (``kernel``, ``tile_m``, ``tile_n``, ``tail_n``, ``blocks_per_sm``, ``occupancy``, ``num_worker_warps``), a
-backward winner those of :class:`..config.BackwardCandidate` (``plan`` instead of ``kernel``). Loading
+backward winner those of :class:`..config.BackwardCandidate` (``strategy`` instead of ``kernel``). Loading
 checks every winner against every N of its bucket (tiles that cover the row, widths that fit a block) and
-raises :class:`TuningTableError` saying which entry is wrong.
+raises :class:`TuningTableError` saying which entry is wrong. Schema 1 differs only in naming the backward's
+strategy ``plan``; such tables load as schema 2 (:func:`upgraded`).
 
 Ops. ``forward`` and ``backward``: the plain norm (the analytic table writes both at every bucket).
 ``fused_forward``: the forward with the fused residual add (``fused_add_forward``, both modes), forward
@@ -57,6 +58,7 @@ overlay) is :mod:`.build`'s, which only ``bench/tools/tune_table.py`` and the te
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -70,7 +72,7 @@ import torch
 from .. import config
 from ..config import BackwardCandidate, ForwardCandidate, QKCandidate
 
-SCHEMA = 1
+SCHEMA = 2
 ENV = "TILEGYM_RMS_TUNING"
 OPS = ("forward", "backward", "fused_forward", "qk")
 # Where an op's lookup goes when the table has no entry for it (then the analytic heuristics).
@@ -84,8 +86,12 @@ CANDIDATE_TYPES = {
     "fused_forward": ForwardCandidate,
     "qk": QKCandidate,
 }
-# The first field of a winner, its kernel or plan, takes one of these; the qk winner has none.
-KINDS = {"forward": config.FORWARD_KERNELS, "fused_forward": config.FORWARD_KERNELS, "backward": config.BACKWARD_PLANS}
+# The first field of a winner, its kernel or strategy, takes one of these; the qk winner has none.
+KINDS = {
+    "forward": config.FORWARD_KERNELS,
+    "fused_forward": config.FORWARD_KERNELS,
+    "backward": config.BACKWARD_STRATEGIES,
+}
 N_BUCKETS = (
     (64, 96)
     + tuple(range(128, 8192 + 1, 128))
@@ -155,7 +161,7 @@ def candidate_error(op: str, cand, n_b: int) -> str | None:
         return f"tile_m {cand.tile_m} and tile_n {cand.tile_n} must be powers of two (tile_m <= {MAX_TILE_M})"
     if cand.tail_n and not (_pow2(cand.tail_n) and cand.tail_n < cand.tile_n):
         return f"tail_n {cand.tail_n} must be 0 or a power of two narrower than tile_n"
-    kind = cand.kernel if op in FORWARD_OPS else cand.plan
+    kind = cand.kernel if op in FORWARD_OPS else cand.strategy
     if kind in ("gather", "direct"):
         if cand.blocks_per_sm or cand.tail_n:
             return f"{kind}: blocks_per_sm and tail_n must be 0 (one block per row or row tile)"
@@ -191,11 +197,28 @@ def parse_winner(op: str, raw, where: str):
     return cls(**raw)
 
 
+def upgraded(doc):
+    """``doc`` in the current schema: a schema-1 table, whose backward winners name their strategy ``plan``, as
+    schema 2 (a copy); any other document as it is (validation judges it)."""
+    if not isinstance(doc, dict) or doc.get("schema") != 1:
+        return doc
+    out = copy.deepcopy(doc)
+    out["schema"] = SCHEMA
+    by_dtype = out.get("backward")
+    for by_n in by_dtype.values() if isinstance(by_dtype, dict) else ():
+        for runs in by_n.values() if isinstance(by_n, dict) else ():
+            for run in runs if isinstance(runs, list) else ():
+                if isinstance(run, dict) and isinstance(run.get("winner"), dict):
+                    run["winner"] = {("strategy" if k == "plan" else k): v for k, v in run["winner"].items()}
+    return out
+
+
 class Table:
-    """A validated tuning table: ``lookup`` gives the winner for an ``(m, n, dtype)`` or None."""
+    """A validated tuning table: ``lookup`` gives the winner for an ``(m, n, dtype)`` or None. ``doc`` is the
+    document in the current schema (:func:`upgraded`)."""
 
     def __init__(self, doc: dict, origin: str = "<dict>"):
-        self.doc = doc
+        self.doc = upgraded(doc)
         self.origin = origin
         self.runs: dict[tuple[str, str, int], tuple[tuple[int, object], ...]] = {}
         self._parse()
@@ -206,7 +229,8 @@ class Table:
     def _parse(self):
         doc = self.doc
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-            self._fail(f"'schema' must be {SCHEMA} (got {doc.get('schema') if isinstance(doc, dict) else doc!r})")
+            got = doc.get("schema") if isinstance(doc, dict) else doc
+            self._fail(f"'schema' must be {SCHEMA} (or 1, read as {SCHEMA}), got {got!r}")
         device = doc.get("device")
         if not isinstance(device, dict) or not isinstance(device.get("key"), str):
             self._fail("'device' must be an object with a 'key' string")

@@ -46,7 +46,7 @@ def label(op: str, cand) -> str:
     """A candidate in one short string (the keys of a run's ``gbps``; a qk candidate: its two halves')."""
     if op == "qk":
         return " | ".join(qk_half_label(cand, side) for side in ("fwd", "bwd"))
-    kind = cand.kernel if op in FORWARD_OPS else cand.plan
+    kind = cand.kernel if op in FORWARD_OPS else cand.strategy
     tail = f"+{cand.tail_n}" if cand.tail_n else ""
     return f"{kind} {cand.tile_m}x{cand.tile_n}{tail} b{cand.blocks_per_sm} o{cand.occupancy} w{cand.num_worker_warps}"
 
@@ -98,7 +98,7 @@ def analytic_doc(key: str, name: str, capability, sms: int, generated_by: str) -
 
 def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: bool = False) -> list:
     """What the sweep times at one bucket, the analytic choice first, then a few neighbours valid for the
-    bucket: the other forward kernel (its analytic tiles), or the persistent backward plan in place of the
+    bucket: the other forward kernel (its analytic tiles), or the persistent backward strategy in place of the
     direct one; twice the blocks per SM (only the grid changes: no compile); twice the rows per tile of a
     persistent tile, or twice the gather kernel's occupancy hint (one compiled variant each). Few on
     purpose: compiles dominate a sweep's time, see ``bench/tools/tune_table.py --plan``.
@@ -171,7 +171,7 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
         return out
     base = config.backward_candidate(m_b, n_b, dtype, sms)
     add(base)
-    if base.plan == "direct":  # what the direct plan replaced at this M
+    if base.strategy == "direct":  # what the direct strategy replaced at this M
         base = config.backward_candidate(m_b, n_b, dtype, sms, replace(config.HEURISTICS, bwd_direct_max_rows_per_sm=0))
         add(base)
     for b in scales[1:]:
@@ -179,7 +179,7 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
     add(replace(base, tile_m=base.tile_m * 2))
     if wide:
         add(replace(base, tile_m=base.tile_m // 2))
-        _add_one_block_builds(add, out, "plan")
+        _add_one_block_builds(add, out, "strategy")
     return out
 
 
