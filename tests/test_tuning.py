@@ -695,7 +695,7 @@ def tune_table(monkeypatch):
     return tune_table
 
 
-def test_the_sweep_plans_the_new_ops_points_and_timings(tune_table):
+def test_the_sweep_estimates_the_new_ops_points_and_timings(tune_table):
     args = tune_table.build_parser().parse_args(
         ["--ops", "forward,fused_forward,qk", "--dtypes", "bf16", "--quick", "--m", "1,4096,32768"]
     )
@@ -704,7 +704,7 @@ def test_the_sweep_plans_the_new_ops_points_and_timings(tune_table):
     qk_ms = (4096, 32768)  # a single row is no q and k of 16 and 4 heads
     assert points["qk"] == [("bf16", d, m) for d in tune_table.QK_N for m in qk_ms]
     assert build.qk_sweep_tokens(4096) * 20 in range(2049, 4097) and build.qk_sweep_tokens(16) == 0
-    got = {op: tune_table.plan([op], points, SMS) for op in ops}
+    got = {op: tune_table.estimate([op], points, SMS) for op in ops}
     assert got["fused_forward"]["timings"] == got["forward"]["timings"]
     assert got["fused_forward"]["points"] == got["forward"]["points"]
     assert got["qk"]["points"] == len(tune_table.QK_N) * len(qk_ms)
@@ -792,7 +792,7 @@ def test_overlay_with_the_shipped_table_as_base_keeps_its_measured_entries(tune_
 
 def test_a_sweep_command_reaches_the_sweep(tune_table, monkeypatch, tmp_path):
     # main() once shadowed the sweep function with a local of the same name, so every GPU sweep died
-    # with UnboundLocalError before timing anything; the CPU tests only ever ran --plan and --overlay.
+    # with UnboundLocalError before timing anything; the CPU tests only ever ran --estimate and --overlay.
     monkeypatch.setattr(tune_table.timing, "cuda_device", lambda prog: torch.device("cuda", 0))
     seen = {}
 

@@ -10,7 +10,7 @@ so an interrupted sweep resumes with ``--merge`` on its own output: points alrea
 
     python -m bench.tools.tune_table --device cuda:0 --out tilegym_rms/cutile/tuning/sm90_132sm.json
     python -m bench.tools.tune_table --quick --dtypes bf16 --out /tmp/t.json         # a smaller sweep
-    python -m bench.tools.tune_table --plan --sms 132                                 # counts and estimate, no GPU
+    python -m bench.tools.tune_table --estimate --sms 132                             # counts and estimate, no GPU
     python -m bench.tools.tune_table --ops fused_forward,qk --dtypes bf16 --quick --m 4096,32768 --out s.json
     python -m bench.tools.tune_table --ops forward --wide --dtypes bf16 --n 64,128,256 --m 65536 --out w.json
     python -m bench.tools.tune_table --overlay s.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
@@ -45,7 +45,7 @@ head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile
 half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, builds of
 each persistent tile at one block per SM with eight warps and at occupancy 1 (the deepest ring of TMA load
 stages, PERFORMANCE.md, "Toolchain"), the plain norm's choice for qk): about twice the compiles and several
-times the timings, so it is meant for few widths at a time (``--plan`` estimates a sweep's size and time;
+times the timings, so it is meant for few widths at a time (``--estimate`` estimates a sweep's size and time;
 PERFORMANCE.md, "Tuning tables", has some).
 
 Shapes above ``MAX_ELEMENTS`` are not timed (their M run is the one below: the floor rule of the schema).
@@ -76,7 +76,7 @@ M_QUICK = (1, 512, 8192)
 N_QUICK = tuple(n for n in tuning.N_BUCKETS if n <= 128 or n % 512 == 0)
 QK_N = (64, 96, 128, 256)  # the head dims of the common models (as bench_rmsnorm.py --measure qk_norm, plus 96)
 MAX_ELEMENTS = 1 << 28  # 512 MiB of bf16 per tensor: the backward's inputs and outputs stay far below 80 GB
-# Plan estimate (H100; the run prints its real pace): one compile, one timed candidate.
+# The estimate's unit times (H100; the run prints its real pace): one compile, one timed candidate.
 COMPILE_S = 3.0
 TIMING_S = 0.15
 
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="backward: time each candidate after the forward the device's table launches, as a training step "
         "runs it; the run's GB/s are then the forward + backward's (PERFORMANCE.md, 'In the training step')",
     )
-    parser.add_argument("--plan", action="store_true", help="print the counts and the time estimate; no GPU")
+    parser.add_argument("--estimate", action="store_true", help="print the counts and the time estimate; no GPU")
     parser.add_argument("--analytic", action="store_true", help="write the analytic heuristics' table; no GPU")
     parser.add_argument(
         "--overlay",
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TABLE",
         help="--overlay: the table to keep and lay the sweep over, e.g. the shipped one (default: the analytic table)",
     )
-    parser.add_argument("--sms", type=int, help="--plan / --analytic: the SM count")
+    parser.add_argument("--sms", type=int, help="--estimate / --analytic: the SM count")
     parser.add_argument("--capability", default="9.0", help="--analytic: compute capability, e.g. 9.0")
     parser.add_argument("--name", default="", help="--analytic: the device's name")
     return parser
@@ -166,7 +166,7 @@ def compiled_parts(op: str, dt: str, n_b: int, cands) -> set:
     return {(op, dt, *(v for k, v in asdict(c).items() if k != "blocks_per_sm")) for c in cands}
 
 
-def plan(ops, points, sms: int, done=frozenset(), wide: bool = False) -> dict:
+def estimate(ops, points, sms: int, done=frozenset(), wide: bool = False) -> dict:
     """What a sweep will do: points, timed candidates and distinct compiled variants, and the estimated
     time."""
     n_points = timings = 0
@@ -179,8 +179,8 @@ def plan(ops, points, sms: int, done=frozenset(), wide: bool = False) -> dict:
             n_points += 1
             timings += len(timed_parts(op, cands))
             variants.update(compiled_parts(op, dt, n_b, cands))
-    estimate = len(variants) * COMPILE_S + timings * TIMING_S
-    return {"points": n_points, "timings": timings, "variants": len(variants), "estimate_s": estimate}
+    seconds = len(variants) * COMPILE_S + timings * TIMING_S
+    return {"points": n_points, "timings": timings, "variants": len(variants), "estimate_s": seconds}
 
 
 def measured_points(doc: dict | None) -> set:
@@ -238,8 +238,8 @@ def main(argv=None) -> int:
     ops, points = sweep_args(args)
     base_doc = tuning.load(args.merge).doc if args.merge else None
     done = measured_points(base_doc)
-    if args.plan:
-        p = plan(ops, points, args.sms or 132, done, args.wide)
+    if args.estimate:
+        p = estimate(ops, points, args.sms or 132, done, args.wide)
         print(
             f"{p['points']} points, {p['timings']} timings, {p['variants']} variants; ~{p['estimate_s'] / 60:.0f} min"
         )
@@ -273,7 +273,7 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
     doc["copy_gbps"] = round(copy_bw, 1)
     if base_doc is not None:
         doc = build.merge(base_doc, doc)
-    p = plan(ops, points, sms, done, args.wide)
+    p = estimate(ops, points, sms, done, args.wide)
     print(f"{name} ({key}), copy {copy_bw:.0f} GB/s: {p['points']} points, {p['timings']} timings, ")
     print(f"{p['variants']} compiled variants; estimate ~{p['estimate_s'] / 60:.0f} min", flush=True)
     reps = args.reps

@@ -101,7 +101,7 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
     bucket: the other forward kernel (its analytic tiles), or the persistent backward strategy in place of the
     direct one; twice the blocks per SM (only the grid changes: no compile); twice the rows per tile of a
     persistent tile, or twice the gather kernel's occupancy hint (one compiled variant each). Few on
-    purpose: compiles dominate a sweep's time, see ``bench/tools/tune_table.py --plan``.
+    purpose: compiles dominate a sweep's time, see ``bench/tools/tune_table.py --estimate``.
 
     ``wide`` reaches further where the quick neighbours left a gap to the peers: four times the blocks per
     SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
