@@ -1,6 +1,7 @@
 """Compile check: every cuTile variant the dispatcher can select compiles to a cubin (no GPU needed)."""
 
 import io
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,20 @@ def test_table_winners_are_compiled_for_their_own_arch_only():
     assert set(aot.variants("sm_90")) == heuristic | winners
     for arch in set(aot.ARCHS) - table_archs:
         assert aot.table_variants(arch) == [] and set(aot.variants(arch)) == heuristic, arch
+
+
+def test_the_shipped_tables_measured_winners_are_those_of_their_sweeps_tables(monkeypatch):
+    """A shipped table keeps the winners of its sweep's full table and which runs were measured
+    (``build.slim``), so the compile check builds the same table variants from either."""
+    from tilegym_rms.cutile import tuning
+
+    repo = Path(__file__).resolve().parents[1]
+    full = {t.key: t for t in map(tuning.load, repo.glob("bench/results/*/sweeps/table_*_candidates.json"))}
+    shipped = set(aot.table_variants())
+    assert full and shipped
+    packaged = tuning.packaged
+    monkeypatch.setattr(tuning, "packaged", lambda key: full.get(key) or packaged(key))
+    assert set(aot.table_variants()) == shipped
 
 
 def test_qk_variants_cover_the_head_dims_and_both_kernels():

@@ -215,6 +215,63 @@ def test_shipped_tables_load_and_cover_every_bucket():
                     assert runs[0]["m"] == 1, (op, dt, n_b)  # every M bucket has a run
 
 
+def sweep_evidence() -> dict[str, Path]:
+    """The tables the sweeps wrote, every candidate's GB/s kept, by device key (bench/results/<gpu>/sweeps/)."""
+    paths = sorted(REPO.glob("bench/results/*/sweeps/table_*_candidates.json"))
+    return {json.loads(p.read_text())["device"]["key"]: p for p in paths}
+
+
+def test_every_shipped_table_is_the_winners_of_its_sweeps_table():
+    """The shipped table is what the writer makes of the sweep's full table (build.slim), and every lookup,
+    at every (op, dtype, N bucket) entry and every M bucket, gives the same winner from both."""
+    evidence = sweep_evidence()
+    measured = {key for key, doc in shipped().items() if doc["source"] != "analytic"}
+    assert measured and measured <= set(evidence), "a measured table ships without its sweep's table"
+    checked = 0
+    for key, path in evidence.items():
+        full, table = tuning.load(path), tuning.packaged(key)
+        assert table.doc == build.slim(full.doc), key
+        assert set(table.runs) == set(full.runs), key
+        for op, dt, n_b in full.runs:
+            for m_b in tuning.M_BUCKETS:
+                dtype = tuning.DTYPES[dt]
+                assert table.lookup(op, m_b, n_b, dtype) == full.lookup(op, m_b, n_b, dtype), (key, op, dt, n_b, m_b)
+                checked += 1
+    assert checked > 10000
+
+
+def test_slim_keeps_each_runs_winner_and_its_own_timing():
+    """Of a measured run the shipped form keeps the winner's GB/s (a qk winner's two halves; with ``timed``,
+    what they are of), so the run still reads as measured; analytic runs stay as they are."""
+    fwd = config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)
+    other = config.ForwardCandidate("gather", 1, 8192, 0, 0, 8, 0)
+    doc = one_entry("forward", "bf16", 4224, fwd)
+    gbps = {build.label("forward", fwd): 2.0, build.label("forward", other): 1.0}
+    build.set_runs(
+        doc,
+        "forward",
+        "bf16",
+        4224,
+        [{"m": 1, "winner": asdict(other)}, {"m": 64, "winner": asdict(fwd), "gbps": gbps}],
+    )
+    halves = {build.qk_half_label(QK_ODD, side): 3.0 for side in ("fwd", "bwd")}
+    qk_gbps = {**halves, "fwd 1r b1 o0": 1.0, "bwd 1r b1 o0": 1.0}
+    build.set_runs(doc, "qk", "bf16", 64, [{"m": 4096, "winner": asdict(QK_ODD), "gbps": qk_gbps}])
+    bwd = config.backward_candidate(4096, 4224, BF16, SMS)
+    timed = {"m": 4096, "winner": asdict(bwd), "gbps": {build.label("backward", bwd): 5.0, "x": 6.0}, "timed": "pair"}
+    build.set_runs(doc, "backward", "bf16", 4224, [timed])
+    out = build.slim(doc)
+    assert out["forward"]["bf16"]["4224"] == [
+        {"m": 1, "winner": asdict(other)},
+        {"m": 64, "winner": asdict(fwd), "gbps": {build.label("forward", fwd): 2.0}},
+    ]
+    assert out["qk"]["bf16"]["64"][0]["gbps"] == halves
+    assert out["backward"]["bf16"]["4224"][0] == {**timed, "gbps": {build.label("backward", bwd): 5.0}}
+    assert {k: v for k, v in out.items() if k not in tuning.OPS} == {
+        k: v for k, v in doc.items() if k not in tuning.OPS
+    }
+
+
 def test_shipped_analytic_table_is_the_heuristics_at_every_bucket_point():
     doc = shipped()["sm90_132sm"]
     if doc["source"] != "analytic":
@@ -763,18 +820,22 @@ def test_a_backward_timed_after_the_forward_runs_the_devices_forward(tune_table)
 
 
 def test_overlay_with_the_shipped_table_as_base_keeps_its_measured_entries(tune_table, tmp_path):
-    shipped_path = REPO / "tilegym_rms/cutile/tuning/sm90_132sm.json"
-    shipped_doc = json.loads(shipped_path.read_text())
-    base_path = tmp_path / "sm90_132sm.json"
-    base_path.write_text(shipped_path.read_text())
+    """The sweep's table of the shipped one as --base and --out, the table to ship as --slim: the measured
+    entries stay, the sweep lands, and --slim gets the winners of what --out holds."""
+    evidence = sweep_evidence()["sm90_132sm"]
+    shipped_doc = json.loads(evidence.read_text())
+    base_path, slim_path = tmp_path / "sm90_132sm_candidates.json", tmp_path / "sm90_132sm.json"
+    base_path.write_text(evidence.read_text())
     sweep = build.new_doc("sm90_132sm", shipped_doc["device"]["name"], (9, 0), SMS, "measured", "sweep 2")
     fused = asdict(config.forward_candidate(4096, 5120, BF16, SMS, "gather"))
     build.set_runs(sweep, "fused_forward", "bf16", 5120, [{"m": 4096, "winner": fused, "gbps": {"g": 1.0}}])
     build.set_runs(sweep, "qk", "bf16", 64, [{"m": 32768, "winner": asdict(QK_ODD), "gbps": {"fwd": 1.0}}])
     sweep_path = tmp_path / "sweep2.json"
     sweep_path.write_text(json.dumps(sweep))
-    assert tune_table.main(["--overlay", str(sweep_path), "--base", str(base_path), "--out", str(base_path)]) == 0
+    args = ["--overlay", str(sweep_path), "--base", str(base_path), "--out", str(base_path), "--slim", str(slim_path)]
+    assert tune_table.main(args) == 0
     out = json.loads(base_path.read_text())
+    assert json.loads(slim_path.read_text()) == build.slim(out)
     assert out["forward"] == shipped_doc["forward"] and out["backward"] == shipped_doc["backward"]
     table = tuning.load(out)
     assert asdict(table.lookup("fused_forward", 4096, 5120, BF16)) == fused

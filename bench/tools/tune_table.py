@@ -5,20 +5,24 @@ analytic choice first, then a few neighbours of each kernel or strategy) through
 each installed as a one-entry table (``tuning.use_table``), with the benchmarks' method: the sum of the
 op's kernels' device time (torch.profiler) over inputs rotating through more than 4x the L2 cache. The
 winner is the fastest unless it beats the analytic choice by less than ``--min-gain``; every candidate's
-GB/s is kept in the run, so the table documents itself. The file is rewritten after each (op, dtype, N),
-so an interrupted sweep resumes with ``--merge`` on its own output: points already measured are skipped.
+GB/s is kept in the run of ``--out``, so that table documents itself. ``--slim`` also writes the table the
+package ships from it (``build.slim``: each run's winner and the winner's own GB/s), whose lookups are the
+same; the full one goes with the card's results (``bench/results/<gpu>/sweeps/table_<key>_candidates.json``).
+The files are rewritten after each (op, dtype, N), so an interrupted sweep resumes with ``--merge`` on its
+``--out``: points already measured are skipped.
 
-    python -m bench.tools.tune_table --device cuda:0 --out tilegym_rms/cutile/tuning/sm90_132sm.json
+    FULL=bench/results/h100/sweeps/table_sm90_132sm_candidates.json SHIP=tilegym_rms/cutile/tuning/sm90_132sm.json
+    python -m bench.tools.tune_table --device cuda:0 --out $FULL --slim $SHIP         # the whole sweep
     python -m bench.tools.tune_table --quick --dtypes bf16 --out /tmp/t.json         # a smaller sweep
     python -m bench.tools.tune_table --estimate --sms 132                             # counts and estimate, no GPU
     python -m bench.tools.tune_table --ops fused_forward,qk --dtypes bf16 --quick --m 4096,32768 --out s.json
     python -m bench.tools.tune_table --ops forward --wide --dtypes bf16 --n 64,128,256 --m 65536 --out w.json
-    python -m bench.tools.tune_table --overlay s.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
-        --out tilegym_rms/cutile/tuning/sm90_132sm.json                            # merged into the shipped table
-    python -m bench.tools.tune_table --overlay h200.json --base tilegym_rms/cutile/tuning/sm90_132sm.json \\
-        --out tilegym_rms/cutile/tuning/sm90_132sm.nvidia-h200.json  # a card's first table, from its class's
+    python -m bench.tools.tune_table --overlay s.json --base $FULL --out $FULL --slim $SHIP  # into the shipped table
+    python -m bench.tools.tune_table --overlay h200.json --base $FULL \\
+        --out bench/results/h200/sweeps/table_sm90_132sm.nvidia-h200_candidates.json \\
+        --slim tilegym_rms/cutile/tuning/sm90_132sm.nvidia-h200.json  # a card's first table, from its class's
     python -m bench.tools.tune_table --analytic --sms 132 --capability 9.0 --name "NVIDIA H100 80GB HBM3" \\
-        --out tilegym_rms/cutile/tuning/sm90_132sm.json                            # the analytic table, no GPU
+        --out $SHIP                                                                  # the analytic table, no GPU
 
 ``--after-forward`` times each backward candidate after the forward the device's table launches, as a training
 step runs them: a backward can win alone and lose there (PERFORMANCE.md, "Backward", "In the training step").
@@ -88,7 +92,10 @@ def parse_ints(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.tools.tune_table", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--out", help="the table to write")
+    parser.add_argument("--out", help="the table to write, every candidate's GB/s kept")
+    parser.add_argument(
+        "--slim", metavar="TABLE", help="also write the table to ship: the winners of --out's (build.slim)"
+    )
     parser.add_argument("--ops", default="forward,backward", help=f"some of {','.join(tuning.OPS)}")
     parser.add_argument("--dtypes", default="bf16,fp16,fp32")
     parser.add_argument("--n", type=parse_ints, help="N bucket points (default: all of tuning.N_BUCKETS)")
@@ -127,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--capability", default="9.0", help="--analytic: compute capability, e.g. 9.0")
     parser.add_argument("--name", default="", help="--analytic: the device's name")
     return parser
+
+
+def write(doc: dict, args) -> None:
+    """Writes ``doc`` to ``--out`` and its winners (:func:`build.slim`) to ``--slim``, if given."""
+    build.write(doc, args.out)
+    if args.slim:
+        build.write(build.slim(doc), args.slim)
 
 
 def sweep_args(args) -> tuple[list[str], dict[str, list[tuple[str, int, int]]]]:
@@ -224,7 +238,7 @@ def main(argv=None) -> int:
                 base = build.card_start(base, dev)  # the card's first table, begun from its class's
         else:
             base = build.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)
-        build.write(build.overlay(base, measured, args.min_gain), args.out)
+        write(build.overlay(base, measured, args.min_gain), args)
         print(f"wrote {args.out} ({dev['key']}, {args.overlay} over {args.base or 'the analytic table'})")
         return 0
     if args.analytic:
@@ -232,7 +246,7 @@ def main(argv=None) -> int:
             parser.error("--analytic needs --sms and --out")
         cc = tuple(int(v) for v in args.capability.split("."))
         key = tuning.class_key(cc, args.sms)
-        build.write(build.analytic_doc(key, args.name, cc, args.sms, command), args.out)
+        write(build.analytic_doc(key, args.name, cc, args.sms, command), args)
         print(f"wrote {args.out} ({key}, analytic)")
         return 0
     ops, points = sweep_args(args)
@@ -297,7 +311,7 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
                 new = build.new_doc(key, name, cc, sms, "measured", command)
                 build.set_runs(new, op, dt, n_b, runs)
                 doc = build.merge(doc, new)
-                build.write(doc, args.out)
+                write(doc, args)
             pace = (time.monotonic() - start) / max(timed, 1)
             left = (p["timings"] - timed) * pace
             print(f"  {op} {dt} N={n_b}: {timed}/{p['timings']} timed, ~{left / 60:.1f} min left", flush=True)

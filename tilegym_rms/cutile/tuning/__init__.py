@@ -25,8 +25,13 @@ Schema (``"schema": 2``)::
           "4096": [                               # an N bucket point
             {"m": 1, "winner": {...}},            # from M bucket 1 on ...
             {"m": 1024, "winner": {...},          # ... from 1024 on (until the next run's m)
-             "gbps": {"persistent 4x4096+0 b2 o2 w0": 2710.0, ...}}   # measured: every candidate's GB/s
+             "gbps": {"persistent 4x4096+0 b2 o2 w0": 2710.0, ...}}   # measured: the sweep's GB/s
           ], ...}, ...}}
+
+A measured run has ``gbps``: in the table a sweep writes, every candidate's (the evidence of the choice, kept
+with the card's results, ``bench/results/<gpu>/sweeps/table_<key>_candidates.json``); in the table shipped
+here, the winner's own (:func:`.build.slim`). Lookup reads only ``m`` and ``winner``; the compile check
+(:mod:`tilegym_rms.aot`) builds the winners of the measured runs.
 
 Runs are sorted by ``m``; the run for an M bucket is the last one whose ``m`` is at most it (M buckets below
 the first run take the first run). A forward winner has the fields of :class:`..config.ForwardCandidate`

@@ -336,6 +336,36 @@ def source_of(doc: dict) -> str:
     return "mixed" if len(kinds) > 1 else ("measured" if kinds == {True} else "analytic")
 
 
+def _timed_labels(op: str, winner: dict) -> set[str]:
+    """The keys under which a sweep timed ``winner`` in a run's ``gbps`` (a qk winner: each half's)."""
+    cand = parse_winner(op, winner, "winner")
+    return {qk_half_label(cand, side) for side in ("fwd", "bwd")} if op == "qk" else {label(op, cand)}
+
+
+def slim(doc: dict) -> dict:
+    """The table to ship from one a sweep wrote: each run's ``m`` and ``winner``, and of a measured run's
+    ``gbps`` only the winner's own (with ``timed``, what those GB/s are of), so that the run still reads as
+    measured (the compile check builds measured winners). The other candidates' timings, the evidence of
+    each choice, stay in the sweep's table. Every lookup gives what ``doc``'s gives."""
+    out = {k: v for k, v in doc.items() if k not in OPS}
+    for op in OPS:
+        if op not in doc:
+            continue
+        out[op] = {}
+        for dt, by_n in doc[op].items():
+            for key, runs in by_n.items():
+                kept = []
+                for run in runs:
+                    short = {"m": run["m"], "winner": run["winner"]}
+                    if "gbps" in run:
+                        labels = _timed_labels(op, run["winner"])
+                        short["gbps"] = {k: v for k, v in run["gbps"].items() if k in labels}
+                        short.update({k: run[k] for k in ("timed",) if k in run})
+                    kept.append(short)
+                set_runs(out, op, dt, int(key), kept)
+    return out
+
+
 def dumps(doc: dict) -> str:
     """JSON with one line per (op, dtype, N): small diffs when a sweep changes a few buckets."""
     head = {k: v for k, v in doc.items() if k not in OPS}
