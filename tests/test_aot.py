@@ -48,6 +48,20 @@ def test_arithmetic_axes_are_compiled_for_every_kernel_class():
         assert {c["HAS_W"] for c in constants(name)} == {True, False}, name
 
 
+def test_one_variant_of_each_kernel_compiles():
+    """What a plain ``pytest`` compiles, in about a minute on two cores: the first variant of each kernel, for
+    the shipped table's arch. The exhaustive check below builds every variant for every arch."""
+    first = {}
+    for v in aot.variants("sm_90"):
+        first.setdefault(v.kernel_name, v)
+    out = io.StringIO()
+    failures = aot.run(("sm_90",), jobs=2, out=out, only=list(first.values()))
+    assert failures == 0, out.getvalue()
+    assert f"{len(first)} compiled, 0 failed" in out.getvalue()
+    assert set(first) == {v.kernel_name for v in aot.variants()}
+
+
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_every_variant_compiles(arch):
     out = io.StringIO()
@@ -94,9 +108,11 @@ def test_qk_variants_cover_the_head_dims_and_both_kernels():
     assert set(qk) <= set(aot.variants())  # the full check compiles them too
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
 def test_qk_variants_compile(arch):
-    """Only the qk variants (the full check above is slow): `pytest tests/test_aot.py -k qk`."""
+    """Only the qk variants, for work on the qk kernels (a few minutes, the full check about twenty):
+    `pytest tests/test_aot.py -m exhaustive -k qk`."""
     out = io.StringIO()
     only = aot.qk_variants()
     failures = aot.run((arch,), jobs=4, out=out, only=only)
