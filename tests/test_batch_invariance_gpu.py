@@ -32,6 +32,10 @@ from test_batch_invariance import (
 from test_cutile_gpu import _quiet_experimental_and_release_memory  # noqa: F401  (autouse)
 
 from tilegym_rms.cutile import config, tuning
+from tilegym_rms.cutile.host import backward as cutile_backward
+from tilegym_rms.cutile.host import forward as cutile_forward
+from tilegym_rms.cutile.host import qk as cutile_qk
+from tilegym_rms.cutile.host.common import target
 
 pytestmark = pytest.mark.gpu
 
@@ -110,25 +114,25 @@ def _no_grid(cfg):
 
 
 def cutile_forward_launch(n, dtype, kernel=None, op="forward"):
-    """The forward's configuration at M as the host chooses it (tiles by M's bucket, the table's ``op``)."""
-    sms, table = _sms(), tuning.table_for(0)
-    return lambda m: _no_grid(config.forward_config(config.m_bucket(m), n, dtype, sms, kernel, table, op))
+    """The forward's configuration at M as the host chooses it on device 0 (tiles by M's bucket, the table's
+    ``op``)."""
+    on = target(0)
+    return lambda m: _no_grid(cutile_forward.config_for(on, m, n, dtype, kernel, op))
 
 
 def cutile_backward_launch(n, dtype):
-    sms, table = _sms(), tuning.table_for(0)
-    return lambda m: _no_grid(config.backward_config(m, n, dtype, sms, table))
+    on = target(0)
+    return lambda m: _no_grid(cutile_backward.config_for(on, m, n, dtype))
 
 
 def cutile_qk_launch(d, dtype):
     """The qk kernels' configuration for M tokens, and whether the rows of q's and k's qkv slices are tiled
-    along the heads (fewer tokens than heads, see cutile._tile_rows_along_dim0)."""
-    sms, table = _sms(), tuning.table_for(0)
+    along the heads (fewer tokens than heads, see cutile.host.qk._tile_rows_along_dim0)."""
+    on = target(0)
 
     def launch(m):
         rows_q, rows_k = m * QK_HEADS[0], m * QK_HEADS[1]
-        entry = table.lookup("qk", rows_q + rows_k, d, dtype) if table is not None else None
-        return _no_grid(config.qk_config(rows_q, rows_k, d, dtype, sms, entry)), m < QK_HEADS[0], m < QK_HEADS[1]
+        return _no_grid(cutile_qk.config_for(on, rows_q, rows_k, d, dtype)), m < QK_HEADS[0], m < QK_HEADS[1]
 
     return launch
 
