@@ -169,17 +169,9 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
     from tilegym_rms.cutile.host import common
     from tilegym_rms.experimental import kernel_name
 
-    builds = {}  # (kernel name, params) -> the builds the compile check makes of that signature
-    for v in aot.variants():
-        builds.setdefault((v.kernel_name, v.params), []).append(
-            launch.with_hints(getattr(kernels, v.kernel_name), v.hints)
-        )
+    compiled = set(aot.variants())
     launched = []
-    monkeypatch.setattr(
-        common,
-        "launcher",
-        lambda: lambda kernel, grid, args, dev, hints=(), built=None: launched.append((kernel, args, built)),
-    )
+    monkeypatch.setattr(common, "launcher", lambda: lambda *launch_args: launched.append(launch_args))
     checked = dict.fromkeys(("forward", "fused_forward", "backward", "qk"), 0)
     for op in checked:
         for key, sms, m, n, dtype in _measured_points(op):
@@ -189,16 +181,10 @@ def _check_hosts_launches(monkeypatch, require_every_op=False):
             with tuning.use_table("packaged"):  # clears the host caches on the way in and out
                 _host_call(cutile, op, m, n, dtype)
             assert launched, (op, m, n)
-            for kernel, args, built in launched:
-                name = kernel_name(kernel)
-                assert any(b is built for b in builds.get((name, aot.params_of(args)), ())), (
-                    op,
-                    key,
-                    m,
-                    n,
-                    dtype,
-                    name,
-                )
+            for kernel, _grid, args, _dev, hints, built in launched:
+                v = aot.Variant(kernel_name(kernel), aot.params_of(args), hints)
+                assert v in compiled, (op, key, m, n, dtype, v.describe())
+                assert built is launch.with_hints(kernel, hints), v.describe()  # the build that runs
             checked[op] += 1
     assert checked["forward"], "the shipped tables hold no measured point"
     if require_every_op:

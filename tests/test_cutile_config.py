@@ -36,7 +36,7 @@ def fwd(host, m, n, dtype=BF16, kernel=None) -> config.ForwardConfig:
 def fwd_kernel(host, m, n, dtype=BF16) -> str:
     """ "gather" or "persistent": the forward kernel the product launches for an (m, n) input."""
     add = host.forward.ADD_NONE
-    kernel = host.forward.cached_launch(0, m, n, dtype, None, "llama", True, True, add).launch.kernel
+    kernel = host.forward.cached_launch(0, m, n, dtype, None, "llama", True, True, add).kernel
     kernels = host.common.kernels()
     return {kernels.rms_norm_fwd_gather: "gather", kernels.rms_norm_fwd_persistent: "persistent"}[kernel]
 
@@ -144,7 +144,7 @@ def test_every_m_of_a_bucket_launches_one_compiled_variant(host, bucket, n):
     follows M, and a persistent grid never has more blocks than M has row tiles."""
     ms = sorted({bucket // 2 + 1, bucket // 2 + 7, 3 * bucket // 4, bucket - 1, bucket})
     add = host.forward.ADD_NONE
-    launches = {m: host.forward.cached_launch(0, m, n, BF16, None, "llama", True, True, add).launch for m in ms}
+    launches = {m: host.forward.cached_launch(0, m, n, BF16, None, "llama", True, True, add) for m in ms}
     assert len({(launch.kernel, launch.constants, launch.hints) for launch in launches.values()}) == 1
     for m, launch in launches.items():
         cfg = fwd(host, m, n)

@@ -568,7 +568,7 @@ def test_a_cards_first_table_starts_from_its_classs(tune_table, tmp_path):
 
 def launched(host, m, n, add, dtype=BF16):
     """(kernel name, constants, hints) of the forward the host launches (``add``: the kernels' ADD)."""
-    launch = host.forward.cached_launch(0, m, n, dtype, None, "llama", True, True, add).launch
+    launch = host.forward.cached_launch(0, m, n, dtype, None, "llama", True, True, add)
     gather = launch.kernel is host.common.kernels().rms_norm_fwd_gather
     return ("rms_norm_fwd_gather" if gather else "rms_norm_fwd_persistent"), launch.constants, launch.hints
 

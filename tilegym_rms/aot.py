@@ -3,9 +3,9 @@
 Needs no GPU, only ``cuda-tile`` and the matched tileiras toolchain. Run it as
 ``python -m tilegym_rms.aot [--arch sm_90 ...]`` or ``tilegym-rms aot``: it prints a table and
 exits non-zero on any failure. The variants are what the host launches (:mod:`tilegym_rms.cutile.host`: its
-launches and its kernels' argument tuples, built on meta tensors) under the heuristics and the shipped tuning
-tables, over a representative set of hidden sizes (the arithmetic-only axes, other dtypes than bf16 included,
-at one width per tile class, ``TILE_CLASS_N``).
+own functions run on meta tensors, each launch recorded instead of made) under the heuristics and the shipped
+tuning tables, over a representative set of hidden sizes (the arithmetic-only axes, other dtypes than bf16
+included, at one width per tile class, ``TILE_CLASS_N``).
 """
 
 from __future__ import annotations
@@ -78,15 +78,14 @@ def params_of(args: tuple) -> tuple:
 
 
 def _collector():
-    """``(found, add)``: ``add(calls)`` records the variant of each ``(Launch, arguments)`` pair of a host
-    call (:mod:`tilegym_rms.cutile.host`), in ``found``'s order."""
+    """``(found, record)``: ``record`` is a launcher for the host's ``start`` functions
+    (:mod:`tilegym_rms.cutile.host.common`) that keeps the variant of each launch in ``found``, in order."""
     found: dict[Variant, None] = {}
 
-    def add(calls):
-        for launch, args in calls:
-            found.setdefault(Variant(kernel_name(launch.kernel), params_of(args), launch.hints), None)
+    def record(kernel, grid, args, device_index, hints=(), built=None):
+        found.setdefault(Variant(kernel_name(kernel), params_of(args), hints), None)
 
-    return found, add
+    return found, record
 
 
 def _meta(dtype, *shape) -> torch.Tensor:
@@ -121,7 +120,7 @@ def variants_for(
     ``table``: a tuning table whose winners the configs follow (None: the analytic heuristics). The weight
     has x's dtype."""
     target = Target(num_sms, table)
-    found, add = _collector()
+    found, record = _collector()
     x, w, rstd = _meta(dtype, m, n), _meta(dtype, n), _meta(torch.float32, m)
     for kernel in _available(target, m, n, dtype, kernels):
         for casting_mode, has_w in (*((mode, True) for mode in CASTING_MODES), (CASTING_MODES[0], False)):
@@ -129,11 +128,10 @@ def variants_for(
                 continue  # the cast / no-weight axes are covered once, on bf16
             for store in (True, False) if every_path else (True,):
                 launch = fwd.forward_launch(target, m, n, dtype, kernel, casting_mode, has_w, store, fwd.ADD_NONE)
-                *_, args = fwd.arguments(launch, x, None, None, w if has_w else None, 0.0, 0.0)
-                add(((launch.launch, args),))
+                fwd.start(launch, x, None, None, w if has_w else None, 0.0, 0.0, -1, record)
     for has_w in (True, False) if every_path else (True,):
         launches = bwd.backward_launches(target, m, n, dtype, has_w, False)
-        add(bwd.arguments(launches, x, x, None, w if has_w else None, rstd, 0.0)[2])
+        bwd.start(launches, x, x, None, w if has_w else None, rstd, 0.0, -1, record)
     return list(found)
 
 
@@ -159,7 +157,7 @@ def fused_add_variants_for(
     x's dtype. ``table``: a tuning table whose winners the configs follow (the forward's ``fused_forward``
     entry, then its ``forward`` one, as the host)."""
     target = Target(num_sms, table)
-    found, add = _collector()
+    found, record = _collector()
     full = dtype == residual_dtype == torch.bfloat16
     x, w, residual = _meta(dtype, m, n), _meta(dtype, n), _meta(residual_dtype, m, n)
     for kernel in _available(target, m, n, dtype, kernels, "fused_forward"):
@@ -168,11 +166,10 @@ def fused_add_variants_for(
                 add_mode = fwd.ADD_MODES[mode]
                 launch = fwd.forward_launch(target, m, n, dtype, kernel, CASTING_MODES[0], True, store, add_mode)
                 res_out = torch.empty_like(residual) if mode == "pre" else None  # as the host's fused_add_forward
-                *_, args = fwd.arguments(launch, x, residual, res_out, w, 0.0, 0.0)
-                add(((launch.launch, args),))
+                fwd.start(launch, x, residual, res_out, w, 0.0, 0.0, -1, record)
     launches = bwd.backward_launches(target, m, n, residual_dtype, True, True)
     s, rstd = residual, _meta(torch.float32, m)
-    add(bwd.arguments(launches, s, s, s, _meta(residual_dtype, n), rstd, 0.0)[2])
+    bwd.start(launches, s, s, s, _meta(residual_dtype, n), rstd, 0.0, -1, record)
     return list(found)
 
 
@@ -196,14 +193,14 @@ def _heuristic_variants() -> list[Variant]:
             for m in REPRESENTATIVE_M:
                 found.update(dict.fromkeys(fused_add_variants_for(m, n, dtype, residual_dtype)))
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
-    reductions, add = _collector()
+    reductions, record = _collector()
     tile_n = config.HEURISTICS.reduce_min_tile_n
     while tile_n <= config.HEURISTICS.reduce_max_tile_n:
         n = tile_n * REFERENCE_SMS
         assert config.reduce_config(n, REFERENCE_SMS).tile_n == tile_n
         launch = bwd.reduce_launch(Target(REFERENCE_SMS), n)
         for dtype in DTYPES:
-            add((bwd.reduce_call(launch, _meta(torch.float32, REFERENCE_SMS, n), _meta(dtype, n)),))
+            bwd.reduce(launch, _meta(torch.float32, REFERENCE_SMS, n), _meta(dtype, n), -1, record)
         tile_n *= 2
     found.update(reductions)
     return list(found)
@@ -268,7 +265,7 @@ def qk_variants_for(
     bf16 (as :func:`variants_for`). ``table``: a tuning table whose qk winners the configs follow (None: the
     heuristics). The weights have q's dtype."""
     target = Target(num_sms, table)
-    found, add = _collector()
+    found, record = _collector()
     q, k, w = _meta(dtype, QK_HEADS_RATIO * m, 1, d), _meta(dtype, m, 1, d), _meta(dtype, d)
     rows = q.shape[0], k.shape[0]
     first = CASTING_MODES[0]
@@ -276,10 +273,9 @@ def qk_variants_for(
     for casting_mode, has_wq, has_wk in combos if dtype == torch.bfloat16 and every_path else combos[:1]:
         wq, wk = (w if has else None for has in (has_wq, has_wk))
         launch = qk.forward_launch(target, *rows, d, dtype, casting_mode, has_wq, has_wk)
-        *_, rq, rk, args = qk.forward_arguments(launch, q, k, wq, wk, 0.0, 0.0)
-        add(((launch, args),))
+        *_, rq, rk = qk.start_forward(launch, q, k, wq, wk, 0.0, 0.0, -1, record)
         launches = qk.backward_launches(target, *rows, d, dtype, has_wq, has_wk, has_wq and has_wk)
-        add(qk.backward_arguments(launches, q, k, q, k, wq, wk, rq, rk, 0.0)[-1])
+        qk.start_backward(launches, q, k, q, k, wq, wk, rq, rk, 0.0, -1, record)
     return list(found)
 
 

@@ -94,8 +94,10 @@ def _prepared_forward(x, w):
     m, n = x.shape
     dev = x.get_device()
     fl = forward.cached_launch(dev, m, n, x.dtype, None, "llama", True, True, forward.ADD_NONE)
-    y, rstd, args = forward.arguments(fl, x, None, None, w, 1e-6, 0.0)
-    return torch._C._cuda_getCurrentRawStream(dev), fl.launch.grid, fl.launch.built, args, y, rstd
+    recorded = []  # the host's launch, recorded instead of made
+    y, rstd = forward.start(fl, x, None, None, w, 1e-6, 0.0, dev, lambda *launch_args: recorded.append(launch_args))
+    _, grid, args, _, _, built = recorded[0]
+    return torch._C._cuda_getCurrentRawStream(dev), grid, built, args, y, rstd
 
 
 class _EmptyFunction(torch.autograd.Function):
@@ -175,12 +177,13 @@ def engine_thread_split(m, n, dtype, device, calls: int) -> list[tuple[str, floa
     x, w, dy, xg = inputs.x, inputs.w, inputs.dy, inputs.xg
     _, rstd = tilegym_rms.rms_norm_forward(x, w)
     launches = backward.cached_launches(device.index, m, n, dtype, True, False)
-    calls = backward.arguments(launches, x, dy, None, w, rstd, 0.0)[2]  # the host's own arguments
+    recorded = []  # the host's launches, recorded instead of made
+    backward.start(launches, x, dy, None, w, rstd, 0.0, device.index, lambda *launch_args: recorded.append(launch_args))
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     pieces = [("torch.empty_like(x)", lambda: torch.empty_like(x))]
-    if len(calls) == 1:  # one launch (few rows): timed bare too
-        launch, args = calls[0]
-        pieces.append(("ct.launch backward, prepared args", lambda: ct.launch(stream, launch.grid, launch.built, args)))
+    if len(recorded) == 1:  # one launch (few rows): timed bare too
+        _, grid, args, _, _, built = recorded[0]
+        pieces.append(("ct.launch backward, prepared args", lambda: ct.launch(stream, grid, built, args)))
     pieces.append(("tilegym_rms.cutile.backward (host module)", lambda: cutile.backward(x, dy, w, rstd, 0.0, "llama")))
     rows = []
     for name, work in pieces:

@@ -440,7 +440,7 @@ def run_case(case: Case, p: Expected, device: torch.device) -> dict[str, float]:
         partial = torch.randn(m, n, dtype=torch.float32, device=device, generator=gen)
         dw = torch.empty(n, dtype=dtype, device=device)
         reduce = host.backward.reduce_launch(host.common.target(dev), n)
-        host.common.run((host.backward.reduce_call(reduce, partial, dw),), dev)
+        host.backward.reduce(reduce, partial, dw, dev, host.common.launcher())
         torch.cuda.synchronize(device)
         return {"dw": max_rel_err(dw, partial.double().sum(0))}
 

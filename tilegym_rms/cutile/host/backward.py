@@ -24,9 +24,10 @@ def reduce_launch(tgt: Target, n: int) -> Launch:
     return make_launch(common.kernels().rms_norm_dw_reduce, (red.grid,), (red.tile_g, red.tile_n))
 
 
-def reduce_call(launch: Launch, dw_partial, dw) -> tuple[Launch, tuple]:
-    """``dw = dw_partial.sum(0)`` in a fixed order (``rms_norm_dw_reduce``); ``dw_partial`` is 2-D."""
-    return launch, (dw_partial, dw, *launch.constants)
+def reduce(what: Launch, dw_partial, dw, dev: int, launch) -> None:
+    """Launches ``dw = dw_partial.sum(0)`` in a fixed order (``rms_norm_dw_reduce``, built by
+    :func:`reduce_launch`); ``dw_partial`` is 2-D."""
+    launch(what.kernel, what.grid, (dw_partial, dw, *what.constants), dev, what.hints, what.built)
 
 
 @dataclass(frozen=True)
@@ -50,41 +51,43 @@ def backward_launches(tgt: Target, m, n, dtype, has_w, has_dres) -> BackwardLaun
         grid = (cfg.grid + (cfg.num_chunks if has_w else 0),)
         return BackwardLaunches(cfg, make_launch(k.rms_norm_bwd_direct, grid, constants, cfg.hints), (1, 1))
     partial = (cfg.grid, n) if has_w else (1, 1)
-    reduce = reduce_launch(tgt, n) if has_w else None
+    sums = reduce_launch(tgt, n) if has_w else None
     if cfg.strategy == "persistent":
         constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, has_w, has_dres, cfg.dw_per_row)
         main = make_launch(k.rms_norm_bwd_persistent, (cfg.grid,), constants, cfg.hints)
-        return BackwardLaunches(cfg, main, partial, reduce=reduce)
+        return BackwardLaunches(cfg, main, partial, reduce=sums)
     row_dot_grid = (min(config.cdiv(m, cfg.tile_m), cfg.grid * cfg.num_chunks),)
     row_dot = make_launch(k.rms_norm_bwd_row_dot, row_dot_grid, (cfg.tile_m, cfg.tile_n, has_w), cfg.hints)
     constants = (cfg.tile_m, cfg.tile_n, has_w, has_dres)
     main = make_launch(k.rms_norm_bwd_column_chunk, (cfg.grid, cfg.num_chunks), constants, cfg.hints)
-    return BackwardLaunches(cfg, main, partial, row_dot, reduce)
+    return BackwardLaunches(cfg, main, partial, row_dot, sums)
 
 
-def arguments(bl: BackwardLaunches, x, dy, dres, weight, rstd, offset) -> tuple:
-    """``(dx, dw, calls)``: the outputs allocated for one backward call and its ``(Launch, arguments)`` pairs
-    in launch order; ``dres`` (or None) is added to dx by the kernels' HAS_DRES."""
+def start(bl: BackwardLaunches, x, dy, dres, weight, rstd, offset, dev: int, launch) -> tuple:
+    """``(dx, dw)``: allocates the outputs of one backward call and launches its kernels in order (see
+    :mod:`.common`); ``dres`` (or None) is added to dx by the kernels' HAS_DRES."""
     dx = torch.empty_like(x)
     dy, x, w = plain(dy), plain(x), weight_arg(weight, x)
     dres = plain(dres) if dres is not None else dx  # a dummy without the add (never read then)
     dw = torch.empty_like(weight) if weight is not None else None  # weight is dense: (N,) contiguous, in its dtype
     offset, main = float(offset), bl.main
     if bl.cfg.strategy == "direct":
-        return dx, dw, ((main, (dy, x, w, rstd, dx, w if dw is None else dw, dres, offset, *main.constants)),)
+        args = (dy, x, w, rstd, dx, w if dw is None else dw, dres, offset, *main.constants)
+        launch(main.kernel, main.grid, args, dev, main.hints, main.built)
+        return dx, dw
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
     dw_partial = torch.empty(*bl.partial_shape, dtype=torch.float32, device=x.device)
     if bl.row_dot is None:
-        calls = ((main, (dy, x, w, rstd, dx, dw_partial, dres, offset, *main.constants)),)
+        args = (dy, x, w, rstd, dx, dw_partial, dres, offset, *main.constants)
     else:
-        row_dot = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        calls = (
-            (bl.row_dot, (dy, x, w, rstd, row_dot, offset, *bl.row_dot.constants)),
-            (main, (dy, x, w, rstd, row_dot, dx, dw_partial, dres, offset, *main.constants)),
-        )
+        row_dot, first = torch.empty(x.shape[0], dtype=torch.float32, device=x.device), bl.row_dot
+        args = (dy, x, w, rstd, row_dot, offset, *first.constants)
+        launch(first.kernel, first.grid, args, dev, first.hints, first.built)
+        args = (dy, x, w, rstd, row_dot, dx, dw_partial, dres, offset, *main.constants)
+    launch(main.kernel, main.grid, args, dev, main.hints, main.built)
     if dw is not None:
-        calls += (reduce_call(bl.reduce, dw_partial, dw),)
-    return dx, dw, calls
+        reduce(bl.reduce, dw_partial, dw, dev, launch)
+    return dx, dw
 
 
 @functools.lru_cache(maxsize=4096)
@@ -100,26 +103,23 @@ def cached_launches(dev: int, m, n, dtype, has_w, has_dres) -> BackwardLaunches:
 CACHES = (cached_config, cached_launches)
 
 
-def _backward(x, dy, dres, weight, rstd, offset):
-    m, n = x.shape
-    dev = x.get_device()
-    bl = cached_launches(dev, m, n, x.dtype, weight is not None, dres is not None)
-    dx, dw, calls = arguments(bl, x, dy, dres, weight, rstd, offset)
-    common.run(calls, dev)
-    return dx, dw
-
-
 def backward(x, dy, weight, rstd, offset, casting_mode):
     """``(dx, dw)`` for 2-D ``x`` and ``dy``; see :class:`tilegym_rms.dispatch.Backend`."""
     del casting_mode  # the backward formula is the same for every casting mode
-    return _backward(x, dy, None, weight, rstd, offset)
+    m, n = x.shape
+    dev = x.get_device()
+    bl = cached_launches(dev, m, n, x.dtype, weight is not None, False)
+    return start(bl, x, dy, None, weight, rstd, offset, dev, common.launcher())
 
 
 def fused_add_backward(s, dy, dres, weight, rstd, offset, casting_mode):
     """``(ds, dw)``: the norm's backward at the sum ``s`` plus ``dres`` (the gradient of residual_out, mode
     "pre"), added in the same pass; see :class:`tilegym_rms.dispatch.FusedAddBackend`."""
     del casting_mode  # as in backward
-    return _backward(s, dy, dres, weight, rstd, offset)
+    m, n = s.shape
+    dev = s.get_device()
+    bl = cached_launches(dev, m, n, s.dtype, weight is not None, True)
+    return start(bl, s, dy, dres, weight, rstd, offset, dev, common.launcher())
 
 
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:

@@ -3,10 +3,11 @@ kernel module and the launcher (imported on first use: they need ``cuda.tile``),
 
 A call's kernel launches are :class:`Launch` es (kernel, grid, compile-time constants, compiler hints: all but
 the tensors and run-time scalars), which each host module builds for a :class:`Target` and caches per device
-and call signature, so that a call does one lookup (host time is the latency at small M). Each module builds
-its kernels' argument tuples from the call's tensors in one function; the compile check
-(:mod:`tilegym_rms.aot`) runs the same functions on meta tensors, so it compiles the signatures the host
-launches.
+and call signature, so that a call does one lookup (host time is the latency at small M). Each module's
+``start`` functions allocate a call's outputs, build its kernels' argument tuples from its tensors and launch
+them through the launcher they are given, ``launch(kernel, grid, args, device_index, hints, built)``: the
+host passes :func:`launcher`, the compile check (:mod:`tilegym_rms.aot`) one that records each launch of the
+same functions run on meta tensors, so that it compiles the signatures the host launches.
 """
 
 from __future__ import annotations
@@ -46,18 +47,12 @@ class Launch:
     built: object  # ``kernel`` built with ``hints`` (launch.with_hints), looked up once here
 
 
-def make_launch(kernel, grid: tuple[int, ...], constants: tuple, hints: config.Hints = ()) -> Launch:
+def make_launch(kernel, grid: tuple[int, ...], constants: tuple, hints: config.Hints = (), cls=Launch, **more):
+    """A :class:`Launch` (or ``cls``, a subclass with the fields ``more``), its build looked up."""
     # Through the module attribute: bench/tools/tune_cutile.py swaps launch.with_hints (and clears the caches).
     from .. import launch
 
-    return Launch(kernel, grid, constants, hints, launch.with_hints(kernel, hints))
-
-
-def run(calls, device_index: int) -> None:
-    """Launches ``calls``, ``(Launch, arguments)`` pairs, in order."""
-    launch = launcher()
-    for what, args in calls:
-        launch(what.kernel, what.grid, args, device_index, built=what.built)
+    return cls(kernel, grid, constants, hints, launch.with_hints(kernel, hints), **more)
 
 
 @functools.cache

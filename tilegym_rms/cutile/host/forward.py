@@ -28,8 +28,8 @@ def config_for(tgt: Target, m: int, n: int, dtype: torch.dtype, kernel=None, op=
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardLaunch:
-    launch: Launch
+class ForwardLaunch(Launch):
+    rows: int  # M: rstd's length (one call's shape is cheaper read here than from the tensor)
     allocates_rstd: bool  # the persistent kernel always stores rstd (see kernels.STORE_RSTD)
 
 
@@ -45,22 +45,24 @@ def forward_launch(tgt: Target, m, n, dtype, kernel, casting_mode, has_w, store_
     else:
         kernel, grid = k.rms_norm_fwd_persistent, (cfg.grid,)
         constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add)
-    return ForwardLaunch(make_launch(kernel, grid, constants, cfg.hints), store_rstd or cfg.kernel != "gather")
+    allocates_rstd = store_rstd or cfg.kernel != "gather"
+    return make_launch(kernel, grid, constants, cfg.hints, ForwardLaunch, rows=m, allocates_rstd=allocates_rstd)
 
 
-def arguments(fl: ForwardLaunch, x, residual, res_out, weight, eps, offset) -> tuple:
-    """``(y, rstd, args)``: the outputs allocated for one forward launch and the kernel's arguments (``residual``
-    read, ``res_out`` written in the fused add's "pre" mode; None without the add; ``rstd`` None unless
-    ``fl`` allocates it)."""
+def start(fl: ForwardLaunch, x, residual, res_out, weight, eps, offset, dev: int, launch) -> tuple:
+    """``(y, rstd)``: allocates the outputs of one forward call and launches its kernel (see :mod:`.common`).
+    ``residual`` is read and ``res_out`` written in the fused add's "pre" mode (None without the add);
+    ``rstd`` is None unless ``fl`` allocates it."""
     y = torch.empty_like(x)  # contiguous: x's rows are dense (the cheapest allocation call, 1.8 us)
     # Sizes as separate ints: torch parses them faster than a tuple (PERFORMANCE.md, "Host path").
-    rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device) if fl.allocates_rstd else None
+    rstd = torch.empty(fl.rows, dtype=torch.float32, device=x.device) if fl.allocates_rstd else None
     x = plain(x)
     # Without rstd the kernel stores none, without the add it reads no residual and writes no sum: y and x
     # stand in for those arguments.
     args = (x, weight_arg(weight, x), y, y if rstd is None else rstd, x if residual is None else plain(residual),
-            y if res_out is None else res_out, float(eps), float(offset), *fl.launch.constants)  # fmt: skip
-    return y, rstd, args
+            y if res_out is None else res_out, float(eps), float(offset), *fl.constants)  # fmt: skip
+    launch(fl.kernel, fl.grid, args, dev, fl.hints, fl.built)
+    return y, rstd
 
 
 @functools.lru_cache(maxsize=4096)
@@ -78,20 +80,14 @@ def cached_launch(dev: int, m, n, dtype, kernel, casting_mode, has_w, store_rstd
 CACHES = (cached_config, cached_launch)
 
 
-def _forward(x, residual, res_out, weight, eps, offset, casting_mode, store_rstd, kernel, add):
-    m, n = x.shape
-    dev = x.get_device()
-    fl = cached_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, add)
-    y, rstd, args = arguments(fl, x, residual, res_out, weight, eps, offset)
-    launch = fl.launch
-    common.launcher()(launch.kernel, launch.grid, args, dev, built=launch.built)
-    return y, (rstd if store_rstd else None)
-
-
 def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, kernel=None):
     """``(y, rstd)`` for a 2-D ``x`` (``rstd`` None unless ``store_rstd``); see
     :class:`tilegym_rms.dispatch.Backend`. ``kernel``: one of ``config.FORWARD_KERNELS``, None chooses."""
-    return _forward(x, None, None, weight, eps, offset, casting_mode, store_rstd, kernel, ADD_NONE)
+    m, n = x.shape
+    dev = x.get_device()
+    fl = cached_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, ADD_NONE)
+    y, rstd = start(fl, x, None, None, weight, eps, offset, dev, common.launcher())
+    return y, (rstd if store_rstd else None)
 
 
 def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, store_rstd=True, residual_out=None,
@@ -103,8 +99,11 @@ def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, s
     if mode == "pre" and residual_out is None:
         residual_out = torch.empty_like(residual)  # contiguous, as y: residual's rows are dense
     res_out = residual_out if mode == "pre" else None
-    y, rstd = _forward(x, residual, res_out, weight, eps, offset, casting_mode, store_rstd, kernel, ADD_MODES[mode])
-    return y, (res_out if mode == "pre" else y), rstd
+    m, n = x.shape
+    dev = x.get_device()
+    fl = cached_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, ADD_MODES[mode])
+    y, rstd = start(fl, x, residual, res_out, weight, eps, offset, dev, common.launcher())
+    return y, (res_out if mode == "pre" else y), (rstd if store_rstd else None)
 
 
 def forward_config(x: torch.Tensor, kernel: str | None = None) -> config.ForwardConfig:

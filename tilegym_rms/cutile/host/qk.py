@@ -11,7 +11,7 @@ import torch
 from ...reference import CASTING_CODES
 from .. import config
 from . import common
-from .backward import reduce_call, reduce_launch
+from .backward import reduce, reduce_launch
 from .common import Launch, Target, make_launch, plain, target, weight_arg
 
 
@@ -46,8 +46,8 @@ def backward_launches(tgt: Target, m_q, m_k, d, dtype, has_wq, has_wk, one_reduc
     main = make_launch(common.kernels().qk_rms_norm_bwd, (cfg.bwd_grid,), constants, cfg.bwd_hints)
     if not (has_wq or has_wk):
         return QKBackwardLaunches(main, (1, 1, 1), None, False)
-    reduce = reduce_launch(tgt, 2 * d if one_reduction else d)
-    return QKBackwardLaunches(main, (cfg.bwd_grid, 2, d), reduce, one_reduction)
+    sums = reduce_launch(tgt, 2 * d if one_reduction else d)
+    return QKBackwardLaunches(main, (cfg.bwd_grid, 2, d), sums, one_reduction)
 
 
 def _tile_rows_along_dim0(*views):
@@ -57,37 +57,43 @@ def _tile_rows_along_dim0(*views):
     return tuple(v.transpose(0, 1) for v in views) if views[0].shape[1] > views[0].shape[0] else views
 
 
-def forward_arguments(launch: Launch, q, k, q_weight, k_weight, eps, offset) -> tuple:
-    """``(q_out, k_out, q_rstd, k_rstd, args)``: the outputs allocated for the qk forward and its arguments."""
+def start_forward(fl: Launch, q, k, q_weight, k_weight, eps, offset, dev: int, launch) -> tuple:
+    """``(q_out, k_out, q_rstd, k_rstd)``: allocates the outputs of the qk forward and launches it (see
+    :mod:`.common`)."""
     yq, yk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
     rq, rk = (t.new_empty(t.shape[:2], dtype=torch.float32) for t in (q, k))
     qv, yqv, rqv = _tile_rows_along_dim0(plain(q), yq, rq)
     kv, ykv, rkv = _tile_rows_along_dim0(plain(k), yk, rk)
     args = (qv, kv, weight_arg(q_weight, q), weight_arg(k_weight, k), yqv, ykv, rqv, rkv, float(eps), float(offset),
-            *launch.constants)  # fmt: skip
-    return yq, yk, rq, rk, args
+            *fl.constants)  # fmt: skip
+    launch(fl.kernel, fl.grid, args, dev, fl.hints, fl.built)
+    return yq, yk, rq, rk
 
 
-def backward_arguments(bl: QKBackwardLaunches, q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset):
-    """``(dq, dk, dq_weight, dk_weight, calls)``: the outputs allocated for the qk backward and its
-    ``(Launch, arguments)`` pairs in launch order."""
+def start_backward(bl: QKBackwardLaunches, q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, dev,
+                   launch) -> tuple:  # fmt: skip
+    """``(dq, dk, dq_weight, dk_weight)``: allocates the outputs of the qk backward and launches it and the dw
+    reductions (see :mod:`.common`)."""
     dq, dk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
     dw_partial = q.new_empty(bl.partial_shape, dtype=torch.float32)
     qv = _tile_rows_along_dim0(plain(dq_out), plain(q), q_rstd, dq)
     kv = _tile_rows_along_dim0(plain(dk_out), plain(k), k_rstd, dk)
-    args = (qv[0], kv[0], qv[1], kv[1], weight_arg(q_weight, q), weight_arg(k_weight, k), qv[2], kv[2], qv[3], kv[3])
-    calls = ((bl.main, (*args, dw_partial, float(offset), *bl.main.constants)),)
+    args = (qv[0], kv[0], qv[1], kv[1], weight_arg(q_weight, q), weight_arg(k_weight, k), qv[2], kv[2], qv[3], kv[3],
+            dw_partial, float(offset), *bl.main.constants)  # fmt: skip
+    launch(bl.main.kernel, bl.main.grid, args, dev, bl.main.hints, bl.main.built)
     if bl.reduce is None:
-        return dq, dk, None, None, calls
+        return dq, dk, None, None
     d = bl.partial_shape[2]
     if bl.one_reduction:
         dw = q_weight.new_empty((2, d))
-        calls += (reduce_call(bl.reduce, dw_partial.view(bl.partial_shape[0], 2 * d), dw.view(2 * d)),)
-        return dq, dk, dw[0], dw[1], calls
+        reduce(bl.reduce, dw_partial.view(bl.partial_shape[0], 2 * d), dw.view(2 * d), dev, launch)
+        return dq, dk, dw[0], dw[1]
     dws = tuple(None if w is None else w.new_empty((d,)) for w in (q_weight, k_weight))
-    calls += tuple(reduce_call(bl.reduce, dw_partial[:, slot], dw) for slot, dw in enumerate(dws) if dw is not None)
-    return dq, dk, *dws, calls
+    for slot, dw in enumerate(dws):
+        if dw is not None:
+            reduce(bl.reduce, dw_partial[:, slot], dw, dev, launch)
+    return dq, dk, *dws
 
 
 @functools.lru_cache(maxsize=4096)
@@ -115,11 +121,9 @@ def _rows(q, k) -> tuple[int, int]:
 def qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode):
     """``(q_out, k_out, q_rstd, k_rstd)`` for 3-D views; see :class:`tilegym_rms.dispatch.QKNormBackend`."""
     dev = q.get_device()
-    launch = cached_forward(dev, *_rows(q, k), q.shape[2], q.dtype, casting_mode, q_weight is not None,
-                            k_weight is not None)  # fmt: skip
-    yq, yk, rq, rk, args = forward_arguments(launch, q, k, q_weight, k_weight, eps, offset)
-    common.launcher()(launch.kernel, launch.grid, args, dev, built=launch.built)
-    return yq, yk, rq, rk
+    fl = cached_forward(dev, *_rows(q, k), q.shape[2], q.dtype, casting_mode, q_weight is not None,
+                        k_weight is not None)  # fmt: skip
+    return start_forward(fl, q, k, q_weight, k_weight, eps, offset, dev, common.launcher())
 
 
 def qk_backward(q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, casting_mode):
@@ -129,6 +133,4 @@ def qk_backward(q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset
     has_wq, has_wk = q_weight is not None, k_weight is not None
     one_reduction = has_wq and has_wk and q_weight.dtype == k_weight.dtype
     bl = cached_backward(dev, *_rows(q, k), q.shape[2], q.dtype, has_wq, has_wk, one_reduction)
-    *grads, calls = backward_arguments(bl, q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset)
-    common.run(calls, dev)
-    return tuple(grads)
+    return start_backward(bl, q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, dev, common.launcher())
