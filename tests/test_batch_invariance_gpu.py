@@ -234,7 +234,7 @@ def triton_launch(n, dtype, *ops):
     """The Triton plans (path, row tile, masks) of ``ops`` ("forward", "fused_add", "backward") at M."""
     from tilegym_rms.triton import config as triton_config
 
-    return lambda m: tuple(dataclasses.replace(triton_config.plan(m, n, dtype, op), num_tasks=0) for op in ops)
+    return lambda m: tuple(dataclasses.replace(triton_config.choose_tiles(m, n, dtype, op), num_tasks=0) for op in ops)
 
 
 TRITON_OPS = {

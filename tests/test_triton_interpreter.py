@@ -466,7 +466,7 @@ INVARIANCE_CASES = [
 def test_rows_are_batch_invariant(ub, dtype, N, ub_bytes, ms, op_name):
     ub(ub_bytes)
     op = plain_ops(weight_of(N, dtype), backend="triton")[op_name]
-    assert_rows_invariant(op, row_probes(N, dtype), ms, describe=lambda m: config.plan(m, N, dtype))
+    assert_rows_invariant(op, row_probes(N, dtype), ms, describe=lambda m: config.choose_tiles(m, N, dtype))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def with_hints(kernel, hints: tuple[tuple[str, int], ...]):
 
 def launch(kernel, grid: tuple[int, ...], args: tuple, device_index: int, hints: tuple = (), built=None) -> None:
     """Launches ``kernel`` (built with ``hints``, see :func:`with_hints`; or ``built``, that variant
-    already looked up, as the host's cached launch plans hold it) on CUDA device ``device_index``, the
+    already looked up, as the host's cached launches hold it) on CUDA device ``device_index``, the
     device of its tensors whatever device is current, on that device's current stream; warns once if the
     kernel is experimental. Tensor arguments must not require grad (cuTile exports them through DLPack,
     which refuses such tensors and falls back to a slow path): callers detach them once."""
