@@ -305,8 +305,9 @@ def spec_forward(x, w, eps, offset, casting_mode, rstd=None):
     """The rounding steps of each casting mode, written out in fp32 (independent of reference.py).
 
     llama: rstd fp32; ``x*rstd`` rounded to x's dtype, times ``offset + w`` (fp32), rounded.
-    gemma: all fp32, one rounding. none: mean square and rstd in fp32, rstd rounded to x's dtype;
-    ``x*rstd`` rounded; times ``(offset + w)`` rounded to x's dtype; rounded.
+    gemma, and torch (whose weights here are never wider than fp32): all fp32, one rounding. none: mean
+    square and rstd in fp32, rstd rounded to x's dtype; ``x*rstd`` rounded; times ``(offset + w)`` rounded
+    to x's dtype; rounded.
     ``rstd``: use these values (e.g. a kernel's) instead of computing them.
     """
     dt = x.dtype
@@ -338,7 +339,7 @@ def unit(dtype, truncating=False) -> float:
 
 def n_roundings(casting_mode, has_w) -> int:
     """Roundings to the input dtype on the way from exact inputs to y (see spec_forward)."""
-    return {"llama": 2 if has_w else 1, "gemma": 1, "none": 4 if has_w else 2}[casting_mode]
+    return {"llama": 2 if has_w else 1, "gemma": 1, "torch": 1, "none": 4 if has_w else 2}[casting_mode]
 
 
 def fwd_rtol(dtype, casting_mode, has_w, truncating=False) -> float:

@@ -244,7 +244,7 @@ def _emulated_launch(calls):
         calls.append(kernel)
         if kernel == "qk_rms_norm_fwd":
             q, k, wq, wk, yq, yk, rq, rk, eps, offset, _tm, _tn, cast, has_wq, has_wk = args
-            mode = reference.CASTING_MODES[cast]
+            mode = reference.KERNEL_CASTING_MODES[cast]
             for x, w, has, y, r in ((q, wq, has_wq, yq, rq), (k, wk, has_wk, yk, rk)):
                 out, rstd = reference.rms_norm_forward(x, w if has else None, eps, offset, mode)
                 y.copy_(out)
@@ -297,7 +297,7 @@ def test_cutile_host_passes_consistent_views(monkeypatch, layout, weights):
     reductions = {"both": 1, "q_only": 1, "mixed_dtypes": 2}[weights]
     assert calls == ["qk_rms_norm_fwd", "qk_rms_norm_bwd"] + ["rms_norm_dw_reduce"] * reductions
     for x, w, y, dy, dx, dw in ((q, wq, yq, dyq, dq, dwq), (k, wk, yk, dyk, dk, dwk)):
-        ref_y, ref_rstd = reference.rms_norm_forward(x, w, 1e-6)
+        ref_y, ref_rstd = reference.rms_norm_forward(x, w, 1e-6, 0.0, "llama")
         ref_dx, ref_dw = reference.rms_norm_backward(x, dy, w, ref_rstd)
         assert torch.equal(y, ref_y) and _dense_in_stride_order(y, x)
         assert rel_err(dx, ref_dx) <= 1e-6 and _dense_in_stride_order(dx, x)

@@ -68,3 +68,18 @@ def test_fused_add_reference(mode):
     assert rel_err(y, fp64_rms_norm(x.double() + r.double(), w, 1e-6, 0.0)) <= 1e-6
     assert torch.equal(res_out, x + r if mode == "pre" else y)
     assert rstd.shape == (4,)
+
+
+@pytest.mark.parametrize("x_dtype", [*DTYPES, torch.float64])
+@pytest.mark.parametrize("w_dtype", [None, *DTYPES, torch.float64])
+@pytest.mark.parametrize("eps", [1e-6, None])
+def test_torch_mode_is_torchs_rms_norm_bit_for_bit(x_dtype, w_dtype, eps):
+    """``"torch"`` is ``F.rms_norm`` of the installed torch: values and dtype, for every pair of x and weight
+    dtypes (a wider weight multiplies in its own dtype) and torch's default eps."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(16, 3, 96, generator=g) * 3).to(x_dtype)
+    w = None if w_dtype is None else (torch.randn(96, generator=g) + 0.5).to(w_dtype)
+    want = torch.nn.functional.rms_norm(x, (96,), w, eps)
+    resolved = torch.finfo(reference.compute_dtype(x_dtype)).eps if eps is None else eps
+    got, _ = reference.rms_norm_forward(x, w, resolved, 0.0, "torch")
+    assert got.dtype == want.dtype and torch.equal(got, want)

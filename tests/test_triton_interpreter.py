@@ -241,7 +241,7 @@ def test_forward_fp32(ub, M, N, ub_bytes, path, casting_mode):
     assert config.choose_path(M, N, torch.float32, "forward") == path
     x = strided(M, N)
     # Cycle the weight kinds over the casting modes to cover offset 1 and weight None cheaply.
-    kind = {"llama": "w", "gemma": "w+1", "none": "none"}[casting_mode]
+    kind = {"torch": "w", "llama": "w", "gemma": "w+1", "none": "none"}[casting_mode]
     w, offset = weight_for(N, kind)
     y, rstd = triton_backend.forward(x, w, EPS, offset, casting_mode)
     y_ref, rstd_ref = ref.rms_norm_forward(x.double(), None if w is None else w.double(), EPS, offset, casting_mode)
@@ -317,7 +317,8 @@ def test_forward_bf16_casting_modes(ub, launches, ub_bytes):
             assert rel_err(rstd, rstd_ref) <= 1e-5
         y64, _ = ref.rms_norm_forward(x.double(), w.double(), EPS, 1.0, casting_mode)
         assert rel_err(y, y64) <= 2e-2
-    for a, b in ((m1, m2) for i, m1 in enumerate(ref.CASTING_MODES) for m2 in ref.CASTING_MODES[i + 1 :]):
+    modes = ref.KERNEL_CASTING_MODES  # ("torch" is "gemma" here)
+    for a, b in ((m1, m2) for i, m1 in enumerate(modes) for m2 in modes[i + 1 :]):
         assert (refs[a] != refs[b]).double().mean() > 0.1, "inputs on which the reference tells the modes apart"
         assert (ys[a] != ys[b]).double().mean() > 0.1, f"{a} and {b} give the same bf16 output"
 

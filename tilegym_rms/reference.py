@@ -2,8 +2,13 @@
 
 All functions normalize over the last dimension and accept any leading dims.
 
-``casting_mode`` follows the community convention (HF Llama / Gemma, Liger):
+``casting_mode`` says where the 16-bit roundings fall. ``"torch"`` (the default) is what
+``torch.nn.RMSNorm`` / ``F.rms_norm`` compute; the others follow the community convention (HF Llama /
+Gemma, Liger):
 
+* ``"torch"``: ``"gemma"``'s one rounding at the end, with the weight product in the promoted dtype
+  of fp32 and the weight's (an fp64 weight multiplies in fp64, as torch's ``x * rstd * weight`` does).
+  The kernels compute it as ``"gemma"`` (fp32 throughout).
 * ``"llama"``: ``rstd`` in fp32; ``x * rstd`` is rounded to the input dtype, then multiplied by
   ``offset + weight`` (computed in fp32) and rounded again.
 * ``"gemma"``: everything in fp32, ``(offset + weight)`` in fp32, one rounding at the end.
@@ -27,9 +32,15 @@ from __future__ import annotations
 
 import torch
 
-CASTING_MODES = ("llama", "gemma", "none")
-# Each casting mode as the compile-time integer the kernels of every backend take.
-CASTING_CODES = {mode: code for code, mode in enumerate(CASTING_MODES)}
+CASTING_MODES = ("torch", "llama", "gemma", "none")
+DEFAULT_CASTING_MODE = "torch"
+# The modes the kernels tell apart, each as the compile-time integer (its index here) the kernels of every
+# backend take. "torch" is "gemma" in fp32, so the kernels run it as that (no variant of its own).
+KERNEL_CASTING_MODES = ("llama", "gemma", "none")
+CASTING_CODES = {
+    **{m: code for code, m in enumerate(KERNEL_CASTING_MODES)},
+    "torch": KERNEL_CASTING_MODES.index("gemma"),
+}
 FUSED_ADD_MODES = ("pre", "post")
 
 
@@ -51,7 +62,7 @@ def _mean_square(xf):
     return xf.square().sum(-1, keepdim=True) / max(n, 1)
 
 
-def rms_norm_forward(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+def rms_norm_forward(x, weight=None, eps=1e-6, offset=0.0, casting_mode=DEFAULT_CASTING_MODE):
     """Returns ``(y, rstd)``: ``y`` like ``x``; ``rstd`` of shape ``x.shape[:-1]``, fp32 (fp64 for fp64)."""
     acc = compute_dtype(x.dtype)
     if casting_mode == "none":
@@ -68,7 +79,9 @@ def rms_norm_forward(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama")
         y = (xf * rstd).to(x.dtype)
         if w is not None:
             y = (y.to(acc) * w).to(x.dtype)
-    elif casting_mode == "gemma":
+    elif casting_mode in ("gemma", "torch"):
+        if casting_mode == "torch" and weight is not None:  # torch multiplies in the promoted dtype
+            w = effective_weight(weight, offset, torch.promote_types(acc, weight.dtype))
         y = xf * rstd if w is None else xf * rstd * w
         y = y.to(x.dtype)
     else:
@@ -76,7 +89,7 @@ def rms_norm_forward(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama")
     return y, rstd.squeeze(-1)
 
 
-def rms_norm_backward(x, dy, weight, rstd, offset=0.0, casting_mode="llama"):
+def rms_norm_backward(x, dy, weight, rstd, offset=0.0, casting_mode=DEFAULT_CASTING_MODE):
     """Returns ``(dx, dw)`` for ``y = rms_norm(x)``; ``dw`` is None when ``weight`` is None.
 
     ``dx = rstd * (w~ * dy - x^ * mean(x^ * w~ * dy))`` with ``x^ = x * rstd``, ``w~ = offset + w``;
@@ -110,7 +123,9 @@ def rms_norm_backward_differentiable(x, dy, weight, rstd, eps, offset=0.0):
     return rms_norm_backward(x, dy, weight, r, offset)
 
 
-def fused_add_rms_norm_forward(x, residual, weight=None, eps=1e-6, mode="pre", offset=0.0, casting_mode="llama"):
+def fused_add_rms_norm_forward(
+    x, residual, weight=None, eps=1e-6, mode="pre", offset=0.0, casting_mode=DEFAULT_CASTING_MODE
+):
     """Residual add fused with RMSNorm. Returns ``(y, residual_out, rstd)``.
 
     ``s = x + residual`` (:func:`fused_add_sum`: in ``residual``'s dtype); ``y = rms_norm(s)`` in
