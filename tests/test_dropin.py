@@ -437,7 +437,7 @@ def test_eps_accepts_real_scalars(eps):
 @pytest.mark.parametrize(
     "eps,exc,match",
     [
-        ("1e-6", TypeError, "eps must be a real number .* got str"),
+        ("1e-6", TypeError, r"eps must be a real number .* or None, got str"),
         (torch.tensor([1e-6]), TypeError, "0-dim CPU tensor"),
         (True, TypeError, "got bool"),
         (-1e-6, ValueError, "non-negative"),
@@ -448,6 +448,16 @@ def test_eps_accepts_real_scalars(eps):
 def test_eps_errors_say_what_type_is_wanted(eps, exc, match):
     with pytest.raises(exc, match=match):
         tilegym_rms.rms_norm(torch.randn(2, 4), None, eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_eps_none_is_torchs_default(dtype):
+    """``eps=None`` as ``F.rms_norm`` takes it: the machine epsilon of the compute dtype, which small rows
+    make visible (fp32's for bf16 input, fp64's for fp64)."""
+    x = (torch.randn(4, 32) * 1e-4).to(dtype)
+    want = torch.nn.functional.rms_norm(x, (32,), None, None)
+    assert torch.equal(tilegym_rms.rms_norm(x, None, None), want)
+    assert torch.equal(tilegym_rms.rms_norm_forward(x, None, None)[0], want)
 
 
 def test_offset_accepts_numpy_scalars():

@@ -22,7 +22,8 @@ def check_tensor(name: str, t) -> None:
 
 
 def check_inputs(x, weight, eps, offset, casting_mode) -> tuple[float, float]:
-    """Validates the arguments shared by every entry point; returns ``(eps, offset)`` as Python floats.
+    """Validates the arguments shared by every entry point; returns ``(eps, offset)`` as Python floats
+    (``eps=None``: torch's default, the machine epsilon of the dtype the norm computes in).
 
     Runs on every call, so valid arguments pass one combined test each; the messages are built only
     for arguments that fail it."""
@@ -38,9 +39,7 @@ def check_inputs(x, weight, eps, offset, casting_mode) -> tuple[float, float]:
     ):
         _explain_weight(weight, x, n)
     if type(eps) is not float or not eps >= 0.0:  # NaN fails ``>=``; other types take the slow path
-        eps = _real_scalar("eps", eps)
-        if not eps >= 0.0:
-            raise ValueError(f"eps must be a non-negative real number, got {eps!r}")
+        eps = torch.finfo(compute_dtype(x.dtype)).eps if eps is None else check_eps(eps)
     if type(offset) is not float:
         offset = _real_scalar("offset", offset)
     if weight is None and offset != 0:
@@ -52,15 +51,24 @@ def check_inputs(x, weight, eps, offset, casting_mode) -> tuple[float, float]:
     return eps, offset
 
 
-def _real_scalar(name: str, value) -> float:
-    """A Python float from a real-number scalar: int, float, a numpy scalar or a 0-dim CPU tensor."""
+def check_eps(eps) -> float:
+    """``eps`` as a Python float: a real number ``>= 0`` (None, torch's default, is the caller's to resolve)."""
+    eps = _real_scalar("eps", eps, " or None")
+    if not eps >= 0.0:  # NaN fails ``>=``
+        raise ValueError(f"eps must be a non-negative real number or None, got {eps!r}")
+    return eps
+
+
+def _real_scalar(name: str, value, also: str = "") -> float:
+    """A Python float from a real-number scalar: int, float, a numpy scalar or a 0-dim CPU tensor (``also``:
+    what else the argument takes, for the message)."""
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 and value.device.type == "cpu" and not value.is_complex() and value.dtype != torch.bool:
             return float(value)
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     raise TypeError(
-        f"{name} must be a real number (int, float, a numpy scalar or a 0-dim CPU tensor), "
+        f"{name} must be a real number (int, float, a numpy scalar or a 0-dim CPU tensor){also}, "
         f"got {type(value).__name__}: {value!r}"
     )
 

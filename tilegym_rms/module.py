@@ -7,7 +7,6 @@ import math
 import torch
 
 from .ops import rms_norm
-from .reference import compute_dtype
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -48,13 +47,12 @@ class RMSNorm(torch.nn.RMSNorm):
             torch.nn.init.constant_(self.weight, 1.0 - self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = self.eps if self.eps is not None else torch.finfo(compute_dtype(x.dtype)).eps
         dims = len(self.normalized_shape)
         if tuple(x.shape[x.dim() - dims :]) != tuple(self.normalized_shape):
             raise ValueError(f"expected input with trailing shape {tuple(self.normalized_shape)}, got {tuple(x.shape)}")
         weight = self.weight.reshape(-1) if self.weight is not None else None
         flat = x.reshape(*x.shape[: x.dim() - dims], math.prod(self.normalized_shape)) if dims > 1 else x
-        y = rms_norm(flat, weight, eps, offset=self.offset, casting_mode=self.casting_mode, backend=self.backend)
+        y = rms_norm(flat, weight, self.eps, offset=self.offset, casting_mode=self.casting_mode, backend=self.backend)
         return y.view(x.shape) if dims > 1 else y
 
     def extra_repr(self) -> str:
