@@ -8,6 +8,7 @@ on the cuTile and Triton backends.
 """
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conftest import rel_err
+from conftest import rel_err, strided
 
 import tilegym_rms
 from tilegym_rms import reference
@@ -77,6 +78,118 @@ def test_compile_fullgraph_as_first_call_in_a_fresh_process():
 @pytest.mark.gpu
 def test_compile_fullgraph_as_first_call_on_gpu():
     assert run_fresh("DEVICE = 'cuda'\n" + textwrap.dedent(COMPILE_FIRST)).strip().endswith("ok")
+
+
+# ----------------------------------------------------------------------------------------------
+# The defaults give torch's bits: the values and dtype of torch.nn.RMSNorm and F.rms_norm
+# ----------------------------------------------------------------------------------------------
+
+DROPIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# No weight, one of x's dtype, and the others: torch then multiplies in the promoted dtype and returns x's.
+WEIGHT_DTYPES = (None, *DROPIN_DTYPES, torch.float64)
+DROPIN_SHAPES = [(64, 1000), (2, 7, 256), (1, 4096)]
+
+
+def dropin_case(shape, x_dtype, w_dtype, device="cpu", seed=7):
+    """``x`` and a weight far from one (where the casting modes round differently)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 3).to(device, x_dtype)
+    w = None if w_dtype is None else (torch.randn(shape[-1], generator=g) * 0.5 + 1).to(device, w_dtype)
+    return x, w
+
+
+def assert_bits(got, want):
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} values differ"
+
+
+@pytest.mark.parametrize("shape", DROPIN_SHAPES, ids=str)
+@pytest.mark.parametrize("w_dtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize("x_dtype", DROPIN_DTYPES, ids=str)
+def test_default_rms_norm_is_torchs_bits(x_dtype, w_dtype, shape):
+    x, w = dropin_case(shape, x_dtype, w_dtype)
+    want = torch.nn.functional.rms_norm(x, shape[-1:], w, 1e-6)
+    assert_bits(tilegym_rms.rms_norm(x, w, 1e-6), want)
+    assert_bits(tilegym_rms.rms_norm_forward(x, w, 1e-6)[0], want)
+    assert_bits(tilegym_rms.rms_norm(x.clone().requires_grad_(), w, 1e-6).detach(), want)  # the autograd path
+    rows = strided(math.prod(shape[:-1]), shape[-1], x_dtype, seed=8)  # strided rows, read in place
+    assert_bits(tilegym_rms.rms_norm(rows, w, 1e-6), torch.nn.functional.rms_norm(rows, shape[-1:], w, 1e-6))
+
+
+@pytest.mark.parametrize("eps", [None, 1e-5])
+@pytest.mark.parametrize("w_dtype", [*DROPIN_DTYPES, torch.float64], ids=str)
+@pytest.mark.parametrize("x_dtype", DROPIN_DTYPES, ids=str)
+def test_default_module_is_torch_nn_rmsnorm_bits(x_dtype, w_dtype, eps):
+    """A trained (non-unit) weight of any dtype, a two-dim normalized_shape, torch's eps=None."""
+    theirs = torch.nn.RMSNorm((4, 64), eps=eps, dtype=w_dtype)
+    ours = tilegym_rms.RMSNorm((4, 64), eps=eps, dtype=w_dtype)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(4, 64, generator=torch.Generator().manual_seed(9)) * 0.5 + 1)
+        ours.weight.copy_(theirs.weight)
+    x = (torch.randn(3, 5, 4, 64, generator=torch.Generator().manual_seed(10)) * 3).to(x_dtype)
+    assert_bits(ours(x), theirs(x))
+    plain = (
+        torch.nn.RMSNorm(64, eps=eps, elementwise_affine=False),
+        tilegym_rms.RMSNorm(64, eps=eps, elementwise_affine=False),
+    )
+    assert_bits(plain[1](x), plain[0](x))
+
+
+@pytest.mark.parametrize("x_dtype", DROPIN_DTYPES, ids=str)
+def test_default_fused_add_and_qk_norm_are_torchs_bits(x_dtype):
+    """The fused add normalizes torch's ``x + residual``; qk_rms_norm each of q and k."""
+    x, w = dropin_case((6, 256), x_dtype, x_dtype)
+    r, _ = dropin_case((6, 256), x_dtype, None, seed=11)
+    want = torch.nn.functional.rms_norm(x + r, (256,), w, 1e-6)
+    assert_bits(tilegym_rms.fused_add_rms_norm(x, r, w, 1e-6)[0], want)
+    with torch.no_grad():
+        assert_bits(tilegym_rms.fused_add_rms_norm_(x, r.clone(), w, 1e-6), want)
+    q, wq = dropin_case((2, 5, 8, 64), x_dtype, x_dtype, seed=12)
+    k, wk = dropin_case((2, 5, 2, 64), x_dtype, x_dtype, seed=13)
+    q_out, k_out = tilegym_rms.qk_rms_norm(q, k, wq, wk, 1e-6)
+    assert_bits(q_out, torch.nn.functional.rms_norm(q, (64,), wq, 1e-6))
+    assert_bits(k_out, torch.nn.functional.rms_norm(k, (64,), wk, 1e-6))
+
+
+def exact_sum_case(shape, x_dtype, w_dtype, seed=14):
+    """A CUDA ``x`` whose rows have one fp32 sum of squares, whatever the order of the additions: multiples of
+    1/8 up to 2 in magnitude square to multiples of 1/64, and a row of at most 2^14 of them sums to at most
+    2^16, within fp32's 24 bits; with a power-of-two width the mean is exact too. torch's CUDA kernel and ours
+    then compute one rstd (the same rsqrt instruction), and any difference in y is a rounding of the casting."""
+    assert shape[-1] & (shape[-1] - 1) == 0 and shape[-1] <= 1 << 14
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-16, 17, shape, generator=g) / 8).to("cuda", x_dtype)
+    w = None if w_dtype is None else (torch.randn(shape[-1], generator=g) * 0.5 + 1).to("cuda", w_dtype)
+    return x, w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(37, 1024), (2, 300, 128), (4, 16384)], ids=str)
+@pytest.mark.parametrize("w_dtype", ["none", "same", torch.float32], ids=str)
+@pytest.mark.parametrize("x_dtype", DROPIN_DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["cutile", "triton"])
+def test_default_on_gpu_is_torchs_bits(backend, x_dtype, w_dtype, shape):
+    w_dtype = {"none": None, "same": x_dtype}.get(w_dtype, w_dtype)
+    x, w = exact_sum_case(shape, x_dtype, w_dtype)
+    want = torch.nn.functional.rms_norm(x, shape[-1:], w, 1e-6)
+    assert_bits(tilegym_rms.rms_norm(x, w, 1e-6, backend=backend), want)
+    assert_bits(tilegym_rms.rms_norm_forward(x, w, 1e-6, backend=backend)[0], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", ["cutile", "triton"])
+def test_default_on_gpu_random_rows_differ_from_torch_in_the_last_bit_at_most(backend, x_dtype):
+    """Rows whose fp32 sum of squares depends on the order of the additions: torch's CUDA kernel adds in
+    another order, which moves rstd by a few fp32 ulps; a 16-bit output then rounds the other way now and then
+    (a fraction of a percent), by one ulp. (``"llama"`` would differ in about a quarter of the values.)"""
+    x, w = dropin_case((512, 4096), x_dtype, x_dtype, "cuda")
+    got = tilegym_rms.rms_norm(x, w, 1e-6, backend=backend)
+    want = torch.nn.functional.rms_norm(x, (4096,), w, 1e-6)
+    differ = got != want
+    assert differ.float().mean().item() <= 2e-2
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+    assert (ulps[differ] <= 1).all()  # only where values differ: two zeros may differ in their sign bit
 
 
 # ----------------------------------------------------------------------------------------------

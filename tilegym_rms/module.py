@@ -7,14 +7,16 @@ import math
 import torch
 
 from .ops import rms_norm
+from .reference import DEFAULT_CASTING_MODE
 
 
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` with tilegym_rms kernels.
 
     Same constructor as ``torch.nn.RMSNorm`` plus ``offset`` (added to the weight: Gemma uses 1.0),
-    ``casting_mode`` (``"llama"``, ``"gemma"``, ``"none"``) and ``backend`` (None chooses). A
-    multi-dim ``normalized_shape`` normalizes over the trailing dims together, as torch does.
+    ``casting_mode`` (``"torch"``, the default, rounds as ``torch.nn.RMSNorm`` does; ``"llama"``,
+    ``"gemma"``, ``"none"``) and ``backend`` (None chooses). A multi-dim ``normalized_shape``
+    normalizes over the trailing dims together, as torch does.
 
     ``eps=None`` means the machine epsilon of the dtype torch computes in: fp32's for fp32, fp16 and
     bf16 inputs, fp64's for fp64 (what ``torch.nn.RMSNorm`` does, whatever its docstring says).
@@ -32,7 +34,7 @@ class RMSNorm(torch.nn.RMSNorm):
         dtype=None,
         *,
         offset=0.0,
-        casting_mode="llama",
+        casting_mode=DEFAULT_CASTING_MODE,
         backend=None,
     ):
         if offset != 0 and not elementwise_affine:

@@ -22,6 +22,7 @@ import torch
 from . import _checks, reference
 from .dispatch import backend_module, resolve_backend
 from .integrations import dtensor as _dtensor
+from .reference import DEFAULT_CASTING_MODE
 
 # ----------------------------------------------------------------------------------------------
 # Shape plumbing shared by every path: N-D tensors <-> the 2-D row views the backends take
@@ -210,7 +211,7 @@ _rms_norm_fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup
 # ----------------------------------------------------------------------------------------------
 
 
-def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None, kernel=None):
+def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode=DEFAULT_CASTING_MODE, backend=None, kernel=None):
     """RMSNorm over the last dim of ``x``: ``y = x * rstd * (offset + weight)``,
     ``rstd = 1 / sqrt(mean(x^2) + eps)``. Differentiable in ``x`` and ``weight``.
 
@@ -221,7 +222,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
         eps: added to the mean square; a real number ``>= 0`` (int, float, numpy scalar or 0-dim CPU tensor),
             or None for torch's default: the machine epsilon of fp32 (of fp64 for fp64 ``x``).
         offset: added to the weight (Gemma uses 1.0); must be 0 without a weight.
-        casting_mode: ``"llama"``, ``"gemma"`` or ``"none"``; see :mod:`tilegym_rms.reference`.
+        casting_mode: where the 16-bit roundings fall: ``"torch"`` (what ``F.rms_norm`` computes),
+            ``"llama"``, ``"gemma"`` or ``"none"``; see :mod:`tilegym_rms.reference`.
         backend: ``"cutile"``, ``"triton"``, ``"torch"`` or None (choose; ``TILEGYM_RMS_BACKEND``
             overrides the choice).
         kernel: force a forward kernel of the backend (cutile: ``"gather"`` / ``"persistent"``; triton:
@@ -249,7 +251,9 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", back
     return _forward(x, weight, eps, offset, casting_mode, name, kernel, store_rstd=False)[0]
 
 
-def rms_norm_forward(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None, kernel=None):
+def rms_norm_forward(
+    x, weight=None, eps=1e-6, *, offset=0.0, casting_mode=DEFAULT_CASTING_MODE, backend=None, kernel=None
+):
     """Forward without autograd: returns ``(y, rstd)``, ``rstd`` fp32 of shape ``x.shape[:-1]``
     (what :func:`rms_norm_backward` takes; fp64 for fp64 ``x``). Arguments as :func:`rms_norm`."""
     eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
@@ -260,7 +264,7 @@ def rms_norm_forward(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llam
         return _forward(x, weight, eps, offset, casting_mode, name, kernel)
 
 
-def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode="llama", backend=None):
+def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode=DEFAULT_CASTING_MODE, backend=None):
     """Standalone backward (no autograd graph): returns ``(dx, dw)`` for ``y = rms_norm(x, weight)``
     given the upstream gradient ``dy`` and the ``rstd`` of :func:`rms_norm_forward` (fp32, or fp64
     for fp64 ``x``; other dtypes raise TypeError). ``dw`` is None when ``weight`` is None.
@@ -454,7 +458,7 @@ _fused_add_fwd_op.register_autograd(_fused_op_backward, setup_context=_fused_op_
 
 
 def fused_add_rms_norm(
-    x, residual, weight=None, eps=1e-6, *, mode="pre", offset=0.0, casting_mode="llama", backend=None
+    x, residual, weight=None, eps=1e-6, *, mode="pre", offset=0.0, casting_mode=DEFAULT_CASTING_MODE, backend=None
 ):
     """Residual add fused with RMSNorm: returns ``(y, residual_out)``.
 
@@ -507,7 +511,9 @@ def _(x, residual, weight, eps, offset, casting_mode, backend):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def fused_add_rms_norm_(x, residual, weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None):
+def fused_add_rms_norm_(
+    x, residual, weight=None, eps=1e-6, *, offset=0.0, casting_mode=DEFAULT_CASTING_MODE, backend=None
+):
     """In-place residual add fused with RMSNorm, for inference: ``residual`` becomes ``x + residual``
     (:func:`fused_add_rms_norm`'s ``residual_out`` of mode "pre", in ``residual``'s dtype); returns
     ``y = rms_norm(x + residual)`` (a new tensor in ``x``'s dtype). ``x`` is left unchanged: unlike vLLM's
@@ -740,7 +746,9 @@ def _qk_op_backward(ctx, dq_out, dk_out, _drq, _drk):
 _qk_fwd_op.register_autograd(_qk_op_backward, setup_context=_qk_op_setup_context)
 
 
-def qk_rms_norm(q, k, q_weight=None, k_weight=None, eps=1e-6, *, offset=0.0, casting_mode="llama", backend=None):
+def qk_rms_norm(
+    q, k, q_weight=None, k_weight=None, eps=1e-6, *, offset=0.0, casting_mode=DEFAULT_CASTING_MODE, backend=None
+):
     """QK-norm: RMSNorm of queries and keys per head, ``(q_out, k_out)`` with the values of
     ``rms_norm(q, q_weight, ...)`` and ``rms_norm(k, k_weight, ...)``. Differentiable in all four tensors
     (double backward as :func:`rms_norm`).

@@ -41,7 +41,7 @@ def chunked_errors(
     *,
     eps: float,
     offset: float = 0.0,
-    casting_mode: str = "llama",
+    casting_mode: str = reference.DEFAULT_CASTING_MODE,
     chunk_elems: int = 1 << 24,
 ) -> dict[str, float]:
     """Relative errors of the ``outputs`` present (``y``, ``rstd``, ``dx``, ``dw``) against
@@ -97,7 +97,7 @@ def fused_add_errors(
     *,
     mode: str = "pre",
     offset: float = 0.0,
-    casting_mode: str = "llama",
+    casting_mode: str = reference.DEFAULT_CASTING_MODE,
     chunk_elems: int = 1 << 24,
 ) -> dict[str, float]:
     """Relative errors of the fused add + RMSNorm outputs present in ``outputs`` (``y``, ``res`` for
