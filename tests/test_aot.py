@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 from tilegym_rms import aot  # noqa: E402
 from tilegym_rms.cutile import kernels  # noqa: E402
-from tilegym_rms.reference import CASTING_CODES  # noqa: E402
+from tilegym_rms.reference import CASTING_CODES, DEFAULT_CASTING_MODE  # noqa: E402
 
 
 def test_variants_cover_every_kernel():
@@ -42,7 +42,10 @@ def test_arithmetic_axes_are_compiled_for_every_kernel_class():
     casts = set(CASTING_CODES.values())
     for name in ("rms_norm_fwd_gather", "rms_norm_fwd_persistent"):
         plain = [c for c in constants(name) if c["ADD"] == 0]
-        assert {(c["CAST"], c["HAS_W"]) for c in plain} >= {*((cast, True) for cast in casts), (0, False)}, name
+        assert {(c["CAST"], c["HAS_W"]) for c in plain} >= {
+            *((cast, True) for cast in casts),
+            (CASTING_CODES[DEFAULT_CASTING_MODE], False),
+        }, name
     assert {c["STORE_RSTD"] for c in constants("rms_norm_fwd_gather") if c["ADD"] == 0} == {True, False}
     for name in ("rms_norm_bwd_direct", "rms_norm_bwd_persistent", "rms_norm_bwd_column_chunk"):
         assert {c["HAS_W"] for c in constants(name)} == {True, False}, name
@@ -146,18 +149,18 @@ def _host_call(cutile, op, m, n, dtype):
 
     x, w, rstd = _meta(dtype, m, n), _meta(dtype, n), _meta(torch.float32, m)
     if op == "forward":
-        cutile.forward(x, w, 1e-6, 0.0, "llama")
+        cutile.forward(x, w, 1e-6, 0.0, DEFAULT_CASTING_MODE)
     elif op == "fused_forward":
         for mode in ("pre", "post"):
-            cutile.fused_add_forward(x, _meta(dtype, m, n), w, 1e-6, 0.0, "llama", mode=mode)
+            cutile.fused_add_forward(x, _meta(dtype, m, n), w, 1e-6, 0.0, DEFAULT_CASTING_MODE, mode=mode)
     elif op == "backward":
-        cutile.backward(x, x, w, rstd, 0.0, "llama")
-        cutile.fused_add_backward(x, x, x, w, rstd, 0.0, "llama")
+        cutile.backward(x, x, w, rstd, 0.0, DEFAULT_CASTING_MODE)
+        cutile.fused_add_backward(x, x, x, w, rstd, 0.0, DEFAULT_CASTING_MODE)
     else:
         tokens = build.qk_sweep_tokens(m)
         q, k = (_meta(dtype, tokens, heads, n) for heads in build.QK_SWEEP_HEADS)
-        _, _, rq, rk = cutile.qk_forward(q, k, w, w, 1e-6, 0.0, "llama")
-        cutile.qk_backward(q, k, q, k, w, w, rq, rk, 0.0, "llama")
+        _, _, rq, rk = cutile.qk_forward(q, k, w, w, 1e-6, 0.0, DEFAULT_CASTING_MODE)
+        cutile.qk_backward(q, k, q, k, w, w, rq, rk, 0.0, DEFAULT_CASTING_MODE)
 
 
 def _check_hosts_launches(monkeypatch, require_every_op=False):

@@ -27,7 +27,7 @@ from .cutile.host import forward as fwd
 from .cutile.host import qk
 from .cutile.host.common import Target
 from .experimental import kernel_name
-from .reference import CASTING_MODES
+from .reference import CASTING_MODES, DEFAULT_CASTING_MODE
 
 ARCHS = ("sm_80", "sm_90", "sm_100", "sm_120")
 # Hidden sizes that reach every tile shape class: tiny, a head dim (the short-row hints), non-power-of-two,
@@ -116,15 +116,16 @@ def variants_for(
 ) -> list[Variant]:
     """The kernel variants the dispatcher launches for an ``(m, n)`` input of ``dtype`` (forward in each of
     ``kernels``, backward and the dw reduction): with ``every_path``, every casting mode, the no-weight and
-    the no-rstd variants on bf16; otherwise only a training call's (llama casting, weight, rstd stored).
+    the no-rstd variants on bf16; otherwise only a training call's (default casting, weight, rstd stored).
     ``table``: a tuning table whose winners the configs follow (None: the analytic heuristics). The weight
     has x's dtype."""
     target = Target(num_sms, table)
     found, record = _collector()
     x, w, rstd = _meta(dtype, m, n), _meta(dtype, n), _meta(torch.float32, m)
     for kernel in _available(target, m, n, dtype, kernels):
-        for casting_mode, has_w in (*((mode, True) for mode in CASTING_MODES), (CASTING_MODES[0], False)):
-            if (dtype != torch.bfloat16 or not every_path) and (casting_mode, has_w) != (CASTING_MODES[0], True):
+        # Every mode with a weight, the default without ("torch" launches "gemma"'s variant: one entry).
+        for casting_mode, has_w in (*((mode, True) for mode in CASTING_MODES), (DEFAULT_CASTING_MODE, False)):
+            if (dtype != torch.bfloat16 or not every_path) and (casting_mode, has_w) != (DEFAULT_CASTING_MODE, True):
                 continue  # the cast / no-weight axes are covered once, on bf16
             for store in (True, False) if every_path else (True,):
                 launch = fwd.forward_launch(target, m, n, dtype, kernel, casting_mode, has_w, store, fwd.ADD_NONE)
@@ -153,8 +154,8 @@ def fused_add_variants_for(
 ) -> list[Variant]:
     """The variants a fused add of ``(m, n)`` launches: the forward in each of ``kernels`` (None: the
     dispatcher's choice), in modes "pre" and "post", and the backward adding the gradient of residual_out
-    (``HAS_DRES``), which runs on the sum (``residual_dtype``, as its weight). Llama casting with a weight of
-    x's dtype. ``table``: a tuning table whose winners the configs follow (the forward's ``fused_forward``
+    (``HAS_DRES``), which runs on the sum (``residual_dtype``, as its weight). The default casting with a
+    weight of x's dtype. ``table``: a tuning table whose winners the configs follow (the forward's ``fused_forward``
     entry, then its ``forward`` one, as the host)."""
     target = Target(num_sms, table)
     found, record = _collector()
@@ -164,7 +165,7 @@ def fused_add_variants_for(
         for mode in fwd.ADD_MODES if full else ("pre",):
             for store in (True, False) if full else (True,):
                 add_mode = fwd.ADD_MODES[mode]
-                launch = fwd.forward_launch(target, m, n, dtype, kernel, CASTING_MODES[0], True, store, add_mode)
+                launch = fwd.forward_launch(target, m, n, dtype, kernel, DEFAULT_CASTING_MODE, True, store, add_mode)
                 res_out = torch.empty_like(residual) if mode == "pre" else None  # as the host's fused_add_forward
                 fwd.start(launch, x, residual, res_out, w, 0.0, 0.0, -1, record)
     launches = bwd.backward_launches(target, m, n, residual_dtype, True, True)
@@ -268,8 +269,9 @@ def qk_variants_for(
     found, record = _collector()
     q, k, w = _meta(dtype, QK_HEADS_RATIO * m, 1, d), _meta(dtype, m, 1, d), _meta(dtype, d)
     rows = q.shape[0], k.shape[0]
-    first = CASTING_MODES[0]
-    combos = (*((mode, True, True) for mode in CASTING_MODES), (first, False, False), (first, True, False))
+    first = DEFAULT_CASTING_MODE
+    modes = (first, *(mode for mode in CASTING_MODES if mode != first))  # a training call's first
+    combos = (*((mode, True, True) for mode in modes), (first, False, False), (first, True, False))
     for casting_mode, has_wq, has_wk in combos if dtype == torch.bfloat16 and every_path else combos[:1]:
         wq, wk = (w if has else None for has in (has_wq, has_wk))
         launch = qk.forward_launch(target, *rows, d, dtype, casting_mode, has_wq, has_wk)
