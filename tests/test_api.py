@@ -2,6 +2,7 @@
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -235,6 +236,30 @@ def test_module_rejects_offset_without_weight():
         tilegym_rms.RMSNorm(8, elementwise_affine=False, offset=1.0)
     y = tilegym_rms.RMSNorm(8, elementwise_affine=False)(torch.randn(2, 8))
     assert y.shape == (2, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"casting_mode": "x"}, ValueError, "casting_mode must be one of 'torch', 'llama', 'gemma', 'none', got 'x'"),
+        ({"backend": "cuda"}, ValueError, "unknown backend 'cuda'; choose one of 'cutile', 'triton', 'torch' or None"),
+        ({"eps": -1}, ValueError, "eps must be a non-negative real number or None, got -1.0"),
+        ({"eps": "1e-6"}, TypeError, r"eps must be a real number \(.*\) or None, got str: '1e-6'"),
+        ({"offset": "1"}, TypeError, "offset must be a real number"),
+    ],
+)
+def test_module_checks_its_arguments_where_it_is_built(kwargs, exc, match):
+    """A norm built wrong fails in its constructor, in one line, rather than at its first call."""
+    with pytest.raises(exc, match=match) as info:
+        tilegym_rms.RMSNorm(8, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_module_takes_what_rms_norm_takes():
+    norm = tilegym_rms.RMSNorm(8, eps=np.float32(0.25), offset=torch.tensor(1.0), casting_mode="gemma", backend="torch")
+    assert norm.eps == 0.25 and norm.offset == 1.0
+    x = torch.randn(2, 8)
+    assert torch.equal(norm(x), tilegym_rms.rms_norm(x, norm.weight, 0.25, offset=1.0, casting_mode="gemma"))
 
 
 @pytest.mark.parametrize("name", tilegym_rms.BACKENDS)

@@ -41,13 +41,13 @@ def check_inputs(x, weight, eps, offset, casting_mode) -> tuple[float, float]:
     if type(eps) is not float or not eps >= 0.0:  # NaN fails ``>=``; other types take the slow path
         eps = torch.finfo(compute_dtype(x.dtype)).eps if eps is None else check_eps(eps)
     if type(offset) is not float:
-        offset = _real_scalar("offset", offset)
+        offset = check_offset(offset)
     if weight is None and offset != 0:
         raise ValueError(
             "offset applies to the weight (y = x * rstd * (offset + weight)): with weight=None it must be 0"
         )
     if casting_mode not in CASTING_MODES:
-        raise ValueError(f"casting_mode must be one of {', '.join(map(repr, CASTING_MODES))}, got {casting_mode!r}")
+        check_casting_mode(casting_mode)
     return eps, offset
 
 
@@ -57,6 +57,15 @@ def check_eps(eps) -> float:
     if not eps >= 0.0:  # NaN fails ``>=``
         raise ValueError(f"eps must be a non-negative real number or None, got {eps!r}")
     return eps
+
+
+def check_offset(offset) -> float:
+    return _real_scalar("offset", offset)
+
+
+def check_casting_mode(casting_mode) -> None:
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"casting_mode must be one of {', '.join(map(repr, CASTING_MODES))}, got {casting_mode!r}")
 
 
 def _real_scalar(name: str, value, also: str = "") -> float:

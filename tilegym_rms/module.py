@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from . import _checks
+from .dispatch import check_backend_name
 from .ops import rms_norm
 from .reference import DEFAULT_CASTING_MODE
 
@@ -37,8 +39,14 @@ class RMSNorm(torch.nn.RMSNorm):
         casting_mode=DEFAULT_CASTING_MODE,
         backend=None,
     ):
+        # Checked here, not at the first call: a norm built wrong fails where it is built.
+        offset = _checks.check_offset(offset)
         if offset != 0 and not elementwise_affine:
             raise ValueError("offset is added to the weight: it needs elementwise_affine=True")
+        eps = None if eps is None else _checks.check_eps(eps)
+        _checks.check_casting_mode(casting_mode)
+        if backend is not None:
+            check_backend_name(backend)
         self.offset = offset  # before super().__init__, which calls reset_parameters
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine, device=device, dtype=dtype)
         self.casting_mode = casting_mode
