@@ -185,8 +185,15 @@ def test_autograd_matches_rms_norm_of_each_with_one_output_unused():
         (torch.randn(2, 3, 1, 16), {}, ValueError, r"k must have the head dim of q \(last dim 8\)"),
         (torch.randn(2, 3, 1, 8, dtype=torch.float64), {}, TypeError, "q and k must have one dtype"),
         ([1.0], {}, TypeError, "k must be a torch.Tensor"),
-        (torch.randn(2, 3, 1, 8), {"q_weight": torch.ones(4)}, ValueError, r"weight must have shape \(8,\)"),
-        (torch.randn(2, 3, 1, 8), {"q_weight": torch.ones(8), "offset": 1.0}, ValueError, "with weight=None it"),
+        (torch.randn(2, 3, 1, 8), {"q_weight": torch.ones(4)}, ValueError, r"^q_weight must .* dim of q\), got \(4,\)"),
+        (torch.randn(2, 3, 1, 8), {"k_weight": torch.ones(4)}, ValueError, r"^k_weight must .* dim of k\), got \(4,\)"),
+        (
+            torch.randn(2, 3, 1, 8),
+            {"k_weight": torch.ones(8, dtype=torch.int32)},
+            TypeError,
+            "^k_weight must be a float",
+        ),
+        (torch.randn(2, 3, 1, 8), {"q_weight": torch.ones(8), "offset": 1.0}, ValueError, "with k_weight=None it"),
         (torch.randn(2, 3, 1, 8), {"casting_mode": "fp32"}, ValueError, "casting_mode must be one of"),
         (torch.randn(2, 3, 1, 8), {"backend": "cuda"}, ValueError, "unknown backend 'cuda'"),
     ],
@@ -194,6 +201,13 @@ def test_autograd_matches_rms_norm_of_each_with_one_output_unused():
 def test_errors_say_what_is_allowed(k, kw, exc, match):
     with pytest.raises(exc, match=match):
         tilegym_rms.qk_rms_norm(torch.randn(2, 3, 4, 8), k, **kw)
+
+
+def test_errors_name_q_where_q_is_wrong():
+    with pytest.raises(TypeError, match="^q must be a torch.Tensor, got list"):
+        tilegym_rms.qk_rms_norm([1.0], torch.randn(2, 8))
+    with pytest.raises(ValueError, match="^q and q_weight must be on the same device, got q on cpu, q_weight on meta"):
+        tilegym_rms.qk_rms_norm(torch.randn(2, 8), torch.randn(2, 8), torch.ones(8, device="meta"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,14 +21,15 @@ def check_tensor(name: str, t) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def check_inputs(x, weight, eps, offset, casting_mode) -> tuple[float, float]:
+def check_inputs(x, weight, eps, offset, casting_mode, names=("x", "weight")) -> tuple[float, float]:
     """Validates the arguments shared by every entry point; returns ``(eps, offset)`` as Python floats
-    (``eps=None``: torch's default, the machine epsilon of the dtype the norm computes in).
+    (``eps=None``: torch's default, the machine epsilon of the dtype the norm computes in). ``names``: what
+    the messages call ``x`` and ``weight`` (``q`` and ``q_weight`` in qk_rms_norm).
 
     Runs on every call, so valid arguments pass one combined test each; the messages are built only
     for arguments that fail it."""
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or not x.is_floating_point():
-        _explain_x(x)
+        _explain_x(x, names[0])
     n = x.shape[-1]
     if weight is not None and (
         not isinstance(weight, torch.Tensor)
@@ -37,14 +38,14 @@ def check_inputs(x, weight, eps, offset, casting_mode) -> tuple[float, float]:
         or not weight.is_floating_point()
         or weight.device != x.device
     ):
-        _explain_weight(weight, x, n)
+        _explain_weight(weight, x, n, names)
     if type(eps) is not float or not eps >= 0.0:  # NaN fails ``>=``; other types take the slow path
         eps = torch.finfo(compute_dtype(x.dtype)).eps if eps is None else check_eps(eps)
     if type(offset) is not float:
         offset = check_offset(offset)
     if weight is None and offset != 0:
         raise ValueError(
-            "offset applies to the weight (y = x * rstd * (offset + weight)): with weight=None it must be 0"
+            f"offset applies to the weight (y = x * rstd * (offset + weight)): with {names[1]}=None it must be 0"
         )
     if casting_mode not in CASTING_MODES:
         check_casting_mode(casting_mode)
@@ -82,20 +83,23 @@ def _real_scalar(name: str, value, also: str = "") -> float:
     )
 
 
-def _explain_x(x) -> None:
-    check_tensor("x", x)
+def _explain_x(x, name: str) -> None:
+    check_tensor(name, x)
     if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (the normalized last dim); got a 0-dim tensor")
-    raise TypeError(f"x must be a floating-point tensor ({_dtype_names(KERNEL_DTYPES)}), got {x.dtype}")
+        raise ValueError(f"{name} must have at least one dimension (the normalized last dim); got a 0-dim tensor")
+    raise TypeError(f"{name} must be a floating-point tensor ({_dtype_names(KERNEL_DTYPES)}), got {x.dtype}")
 
 
-def _explain_weight(weight, x, n: int) -> None:
-    check_tensor("weight", weight)
+def _explain_weight(weight, x, n: int, names) -> None:
+    x_name, w_name = names
+    check_tensor(w_name, weight)
     if weight.dim() != 1 or weight.shape[0] != n:
-        raise ValueError(f"weight must have shape ({n},) (the last dim of x), got {tuple(weight.shape)}")
+        raise ValueError(f"{w_name} must have shape ({n},) (the last dim of {x_name}), got {tuple(weight.shape)}")
     if not weight.is_floating_point():
-        raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
-    raise ValueError(f"x and weight must be on the same device, got x on {x.device}, weight on {weight.device}")
+        raise TypeError(f"{w_name} must be a floating-point tensor, got {weight.dtype}")
+    raise ValueError(
+        f"{x_name} and {w_name} must be on the same device, got {x_name} on {x.device}, {w_name} on {weight.device}"
+    )
 
 
 def check_dtype_for_backend(x, backend_name: str, supported) -> None:

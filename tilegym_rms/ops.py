@@ -765,9 +765,9 @@ def qk_rms_norm(
     DTensor inputs take :func:`rms_norm` on each tensor. Batch invariant as :func:`rms_norm`: a token's heads
     give the same bits (outputs and gradients) whatever the batch and sequence sizes.
     """
-    eps, offset = _checks.check_inputs(q, q_weight, eps, offset, casting_mode)
+    eps, offset = _checks.check_inputs(q, q_weight, eps, offset, casting_mode, ("q", "q_weight"))
     _checks.check_qk_pair(q, k)
-    _checks.check_inputs(k, k_weight, eps, offset, casting_mode)
+    _checks.check_inputs(k, k_weight, eps, offset, casting_mode, ("k", "k_weight"))
     if type(q) is not torch.Tensor and _dtensor.is_dtensor(q):  # the norm's sharding rules cover each tensor
         kw = dict(offset=offset, casting_mode=casting_mode, backend=backend)
         return rms_norm(q, q_weight, eps, **kw), rms_norm(k, k_weight, eps, **kw)
