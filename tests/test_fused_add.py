@@ -54,10 +54,13 @@ def test_in_place_matches_the_out_of_place_pre_mode(casting_mode, offset):
 
 def test_in_place_refuses_autograd_and_bad_arguments():
     x, r, w = _case("contiguous")
-    with pytest.raises(RuntimeError, match="inference-only .* torch.no_grad"):
-        tilegym_rms.fused_add_rms_norm_(x, r, w.clone().requires_grad_())
-    with pytest.raises(RuntimeError, match="inference-only"):
+    # The message names the tensor that requires grad (a Parameter weight is the common case).
+    with pytest.raises(RuntimeError, match="inference-only .* and weight requires grad: .* torch.no_grad"):
+        tilegym_rms.fused_add_rms_norm_(x, r, torch.nn.Parameter(w.clone()))
+    with pytest.raises(RuntimeError, match="inference-only .* and x requires grad"):
         tilegym_rms.fused_add_rms_norm_(x.clone().requires_grad_(), r, w)
+    with pytest.raises(RuntimeError, match="inference-only .* and residual requires grad"):
+        tilegym_rms.fused_add_rms_norm_(x, r.clone().requires_grad_(), w)
     with pytest.raises(ValueError, match="residual must have the shape of x"):
         tilegym_rms.fused_add_rms_norm_(x, r[:, :2], w)
     assert torch.equal(r, _case("contiguous")[1])  # nothing was written by the failed calls

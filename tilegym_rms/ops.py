@@ -527,9 +527,10 @@ def fused_add_rms_norm_(
     _checks.check_like("residual", residual, x)
     tensors = (x, residual) if weight is None else (x, residual, weight)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        name = next(n for n, t in zip(("x", "residual", "weight"), tensors, strict=False) if t.requires_grad)
         raise RuntimeError(
-            "fused_add_rms_norm_ is inference-only (it overwrites residual, which autograd may need): call it "
-            "under torch.no_grad() or torch.inference_mode(), or use fused_add_rms_norm for training"
+            f"fused_add_rms_norm_ is inference-only (it builds no autograd graph) and {name} requires grad: call "
+            "it under torch.no_grad() or torch.inference_mode(), or use fused_add_rms_norm for training"
         )
     if any(type(t) is not torch.Tensor and _dtensor.is_dtensor(t) for t in tensors):
         raise TypeError("fused_add_rms_norm_ does not take DTensors; use fused_add_rms_norm")
