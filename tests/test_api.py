@@ -1,5 +1,6 @@
 """Public API: input errors, shapes, dispatch, the experimental warning (CPU)."""
 
+import importlib.util
 import warnings
 
 import numpy as np
@@ -101,6 +102,16 @@ def test_available_backends_reports_reasons():
     assert status["torch"] == (True, "")
     ok, why = status["cutile"]
     assert not ok and "CUDA" in why
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu defines the npu device")
+def test_available_backends_on_npu_without_torch_npu_says_why():
+    """torch itself has no "npu" device: each backend gets the reason and the extra to install, not torch's
+    error about device strings."""
+    status = tilegym_rms.available_backends("npu")
+    assert set(status) == set(tilegym_rms.BACKENDS)
+    why = "torch has no device type 'npu': torch_npu is not installed (pip install 'tilegym_rms[ascend]')"
+    assert all(reason == (False, why) for reason in status.values()), status
 
 
 def test_dispatch_cuda_order(monkeypatch):

@@ -111,12 +111,23 @@ def check_backend_name(name: str) -> None:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(map(repr, BACKENDS))} or None")
 
 
+# Device types that only a torch extension defines, and how to install it.
+_EXTENSION_DEVICES = {"npu": "torch_npu is not installed (pip install 'tilegym_rms[ascend]')"}
+
+
 def available_backends(device=None) -> dict[str, tuple[bool, str]]:
     """For each backend: whether it can run on ``device`` (default: the current CUDA device, else
     the CPU), and if not, why."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        kind = str(device).split(":")[0]
+        if kind not in _EXTENSION_DEVICES:
+            raise
+        # "npu" without torch_npu: no backend can reach such a device, for one reason
+        return dict.fromkeys(BACKENDS, (False, f"torch has no device type {kind!r}: {_EXTENSION_DEVICES[kind]}"))
     status = {}
     for name in BACKENDS:
         try:
