@@ -88,12 +88,16 @@ def test_dispatch_cpu_defaults_to_torch():
 
 def test_dispatch_env_overrides_and_unavailable_backend_says_why(monkeypatch):
     monkeypatch.setenv(dispatch.BACKEND_ENV, "cutile")
-    with pytest.raises(RuntimeError, match="'cutile' cannot run on cpu: cuTile runs on CUDA devices"):
+    # The messages name the variable: the call itself named no backend.
+    cannot = r"^backend 'cutile' \(TILEGYM_RMS_BACKEND=cutile\) cannot run on cpu: cuTile runs on CUDA devices"
+    with pytest.raises(RuntimeError, match=cannot):
         tilegym_rms.rms_norm(torch.randn(2, 4))
     monkeypatch.setenv(dispatch.BACKEND_ENV, "bogus")
     dispatch._clear_cache()
-    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+    with pytest.raises(ValueError, match=r"^unknown backend 'bogus' \(TILEGYM_RMS_BACKEND=bogus\); choose one of"):
         tilegym_rms.rms_norm(torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="^backend 'cutile' cannot run on cpu"):  # named by the call
+        tilegym_rms.rms_norm(torch.randn(2, 4), backend="cutile")
 
 
 def test_available_backends_reports_reasons():

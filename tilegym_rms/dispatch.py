@@ -106,9 +106,10 @@ def backend_module(name: str):
     return module
 
 
-def check_backend_name(name: str) -> None:
+def check_backend_name(name: str, source: str = "") -> None:
+    """``source``: where the name came from, for the message (`` (TILEGYM_RMS_BACKEND=...)``)."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(map(repr, BACKENDS))} or None")
+        raise ValueError(f"unknown backend {name!r}{source}; choose one of {', '.join(map(repr, BACKENDS))} or None")
 
 
 # Device types that only a torch extension defines, and how to install it.
@@ -147,13 +148,15 @@ def resolve_backend(device: torch.device, requested: str | None = None) -> str:
     name = _resolved.get(key)
     if name is not None:
         return name
+    source = ""
     if requested is None:
         requested = os.environ.get(BACKEND_ENV) or None
+        source = f" ({BACKEND_ENV}={requested})"  # the errors name the variable: no call named a backend
     if requested is not None:
-        check_backend_name(requested)
+        check_backend_name(requested, source)
         ok, why = backend_module(requested).available(device)
         if not ok:
-            raise RuntimeError(f"backend {requested!r} cannot run on {device}: {why}")
+            raise RuntimeError(f"backend {requested!r}{source} cannot run on {device}: {why}")
         name = requested
     else:
         reasons = []
