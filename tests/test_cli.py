@@ -10,9 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args):
-    # A clean environment for backend selection: a pytest process may have set TRITON_INTERPRET.
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TILEGYM_RMS_BACKEND")}
+def run_cli(*args, env=None):
+    # A clean environment for backend selection (a pytest process may have set TRITON_INTERPRET), plus ``env``.
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TILEGYM_RMS_BACKEND")} | (env or {})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env["CUDA_VISIBLE_DEVICES"] = ""  # check runs on the CPU (cheap), also on a GPU host
     return subprocess.run(
@@ -97,3 +97,24 @@ def test_bench_commands_run_the_checkouts_scripts_from_any_directory(command, mo
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"usage: python -m {module} ") and "--measure" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            "cutile",
+            "backend 'cutile' (TILEGYM_RMS_BACKEND=cutile) cannot run on cpu: cuTile runs on CUDA devices, not cpu",
+        ),
+        (
+            "cuda",
+            "unknown backend 'cuda' (TILEGYM_RMS_BACKEND=cuda); choose one of 'cutile', 'triton', 'torch' or None",
+        ),
+    ],
+)
+def test_a_forced_backend_that_cannot_run_is_one_line(value, message):
+    """The report of what can run comes first, then one line on what the variable asks for, exit 2."""
+    out = run_cli(env={"TILEGYM_RMS_BACKEND": value})
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert out.stderr.splitlines() == [f"tilegym-rms: error: {message}"]
+    assert "cutile  cannot run: cuTile runs on CUDA devices" in out.stdout and "vs float64" not in out.stdout

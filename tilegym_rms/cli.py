@@ -4,7 +4,8 @@ Default command (``check``): report which backends can run here and why the othe
 forward and backward on the best backend against float64, and on a GPU time it against torch.
 Subcommands: ``aot`` (compile check), ``bench`` and ``bench-backward`` (the scripts in ``bench/``).
 The command may stand anywhere; ``--m``/``--n`` are options of ``check``, and every flag after another
-command passes through to it. Bad arguments exit with status 2 and one line on stderr.
+command passes through to it. Bad arguments exit with status 2 and one line on stderr, as does a
+``TILEGYM_RMS_BACKEND`` that names a backend that cannot run here.
 """
 
 from __future__ import annotations
@@ -104,7 +105,11 @@ def check(m: int = 4096, n: int = 4096) -> int:
     )
     for name, (ok, why) in available_backends(device).items():
         print(f"  {name:<7} {'can run' if ok else 'cannot run: ' + why}")
-    backend = resolve_backend(device)
+    try:
+        backend = resolve_backend(device)
+    except (ValueError, RuntimeError) as exc:  # TILEGYM_RMS_BACKEND names a backend that cannot run here
+        print(f"tilegym-rms: error: {exc}", file=sys.stderr)
+        return 2
     dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
     failed = [not _check_one(backend, device, dtype, m, n) for dtype in dtypes]
     return 1 if any(failed) else 0
