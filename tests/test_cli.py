@@ -118,3 +118,21 @@ def test_a_forced_backend_that_cannot_run_is_one_line(value, message):
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert out.stderr.splitlines() == [f"tilegym-rms: error: {message}"]
     assert "cutile  cannot run: cuTile runs on CUDA devices" in out.stdout and "vs float64" not in out.stdout
+
+
+def test_help_describes_the_commands_in_whole_sentences():
+    out = run_cli("--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "and on a GPU time it against torch. Subcommands: aot (compile check)," in text
+    assert "``" not in text
+
+
+def test_version():
+    import torch
+
+    import tilegym_rms
+
+    out = run_cli("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"tilegym-rms {tilegym_rms.__version__} (torch {torch.__version__})\n"

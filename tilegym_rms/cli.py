@@ -130,7 +130,10 @@ def _run_bench(module: str, argv) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _Parser(prog="tilegym-rms", description=__doc__.splitlines()[2], allow_abbrev=False)
+    # The module doc's paragraph on the commands, whole (argparse reflows it), without its reST quotes.
+    description = " ".join(__doc__.split("\n\n")[1].split()).replace("``", "")
+    parser = _Parser(prog="tilegym-rms", description=description, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"tilegym-rms {__version__} (torch {torch.__version__})")
     parser.add_argument(
         "command",
         nargs="?",
