@@ -10,13 +10,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args, env=None):
-    # A clean environment for backend selection (a pytest process may have set TRITON_INTERPRET), plus ``env``.
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TILEGYM_RMS_BACKEND")} | (env or {})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env["CUDA_VISIBLE_DEVICES"] = ""  # check runs on the CPU (cheap), also on a GPU host
+def run_cli(*args, env=None, path_first=None):
+    """``env``: variables to set; ``path_first``: a directory ahead of the repository on PYTHONPATH."""
+    # A clean environment for backend selection: a pytest process may have set TRITON_INTERPRET.
+    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TILEGYM_RMS_BACKEND")}
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (path_first, str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    full["CUDA_VISIBLE_DEVICES"] = ""  # check runs on the CPU (cheap), also on a GPU host
     return subprocess.run(
-        [sys.executable, "-m", "tilegym_rms", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+        [sys.executable, "-m", "tilegym_rms", *args],
+        capture_output=True,
+        text=True,
+        env=full | (env or {}),
+        cwd=ROOT,
+        timeout=300,
     )
 
 
@@ -136,3 +142,28 @@ def test_version():
     out = run_cli("--version")
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"tilegym-rms {tilegym_rms.__version__} (torch {torch.__version__})\n"
+
+
+NO_CUDA_SITECUSTOMIZE = """
+import sys
+
+
+class _NoCuda:  # as if the [cuda] extra were not installed: cuda.tile cannot be imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "cuda" or name.startswith("cuda."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, _NoCuda())
+"""
+
+
+def test_aot_without_the_cuda_extra_is_one_line(tmp_path):
+    """Every variant would fail to import cuda.tile: one line naming the extra, status 2, nothing compiled.
+    The shim goes in through a sitecustomize on PYTHONPATH, so the compile processes would see it too."""
+    (tmp_path / "sitecustomize.py").write_text(NO_CUDA_SITECUSTOMIZE)
+    out = run_cli("aot", path_first=str(tmp_path))
+    expected = (
+        "tilegym-rms aot: error: cuda.tile is not importable (No module named 'cuda'); pip install 'tilegym_rms[cuda]'"
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", expected + "\n")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cutile import config
+from .cutile import _toolchain_status, config
 from .cutile.host import backward as bwd
 from .cutile.host import forward as fwd
 from .cutile.host import qk
@@ -392,6 +392,10 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", action="append", choices=ARCHS, help="target (repeatable); default: all four")
     parser.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
     args = parser.parse_args(argv)
+    # Without cuda.tile (the [cuda] extra) or its compiler every variant would fail alike: say so once.
+    ok, why = _toolchain_status()
+    if not ok:
+        parser.exit(2, f"{parser.prog}: error: {why}\n")
     return 1 if run(tuple(args.arch or ARCHS), args.jobs) else 0
 
 
