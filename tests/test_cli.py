@@ -167,3 +167,29 @@ def test_aot_without_the_cuda_extra_is_one_line(tmp_path):
         "tilegym-rms aot: error: cuda.tile is not importable (No module named 'cuda'); pip install 'tilegym_rms[cuda]'"
     )
     assert (out.returncode, out.stdout, out.stderr) == (2, "", expected + "\n")
+
+
+def test_check_passes_a_single_column():
+    """At N = 1, x * rstd is +-1 and dx cancels to rounding (in torch too): judged by the size of its
+    terms, it passes."""
+    out = run_cli("--n", "1", "--m", "8")
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert "(8x1) vs float64" in out.stdout and out.stdout.rstrip().endswith("-> ok")
+
+
+@pytest.mark.parametrize("n", [1, 64])
+def test_check_still_fails_a_wrong_dx(monkeypatch, capsys, n):
+    """A dx off by 1% of rstd * w * dy (the size of its terms) fails, at N = 1 as elsewhere."""
+    import torch
+
+    from tilegym_rms import cli
+
+    real = cli.rms_norm_backward
+
+    def off(x, dy, w, rstd, **kw):
+        dx, dw = real(x, dy, w, rstd, **kw)
+        return dx + 0.01 * rstd[:, None] * w * dy, dw
+
+    monkeypatch.setattr(cli, "rms_norm_backward", off)
+    assert not cli._check_one("torch", torch.device("cpu"), torch.float32, 64, n)
+    assert capsys.readouterr().out.rstrip().endswith("-> FAIL")
