@@ -580,6 +580,95 @@ def test_offset_accepts_numpy_scalars():
 
 
 # ----------------------------------------------------------------------------------------------
+# torch.export: a program saved on one machine chooses its backend on the machine that runs it
+# ----------------------------------------------------------------------------------------------
+
+
+class ExportedBlock(torch.nn.Module):
+    """A block with each exported op: the module, the fused add and the qk norm (``backend`` for all)."""
+
+    def __init__(self, n=64, d=16, backend=None):
+        super().__init__()
+        self.norm = tilegym_rms.RMSNorm(n, eps=1e-6, backend=backend)
+        g = torch.Generator().manual_seed(15)  # the same weights in every process
+        self.q_weight = torch.nn.Parameter(torch.rand(d, generator=g) + 0.5)
+        self.backend = backend
+        with torch.no_grad():
+            self.norm.weight.copy_(torch.rand(n, generator=g) + 0.5)
+
+    def forward(self, x, r, q, k):
+        y, s = tilegym_rms.fused_add_rms_norm(x, r, self.norm.weight, 1e-6, backend=self.backend)
+        q_out, k_out = tilegym_rms.qk_rms_norm(q, k, self.q_weight, None, 1e-6, backend=self.backend)
+        return self.norm(y), s, q_out, k_out
+
+
+def exported_inputs(device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(16)
+    shapes = ((8, 64), (8, 64), (2, 8, 4, 16), (2, 8, 1, 16))
+    return tuple(torch.randn(s, generator=g).to(device, dtype) for s in shapes)
+
+
+def backends_recorded(program) -> list:
+    """The ``backend`` argument of every tilegym_rms op in an exported program."""
+    found = []
+    for node in program.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "tilegym_rms":
+            names = [a.name for a in node.target._schema.arguments]
+            found.append(node.args[names.index("backend")])
+    return found
+
+
+def test_export_records_no_backend_of_the_exporting_machine():
+    """With backend=None the op chooses when it runs; an explicit backend stays in the program."""
+    program = torch.export.export(ExportedBlock(), exported_inputs())
+    assert backends_recorded(program) == [None, None, None]  # fused add, qk norm, module
+    assert backends_recorded(torch.export.export(ExportedBlock(backend="torch"), exported_inputs())) == ["torch"] * 3
+
+
+def test_exported_program_saved_and_loaded_gives_eager_bits(tmp_path):
+    block, inputs = ExportedBlock(), exported_inputs()
+    torch.export.save(torch.export.export(block, inputs), tmp_path / "block.pt2")
+    loaded = torch.export.load(tmp_path / "block.pt2").module()
+    for got, want in zip(loaded(*inputs), block(*inputs), strict=True):
+        assert_bits(got, want)
+
+
+EXPORT_ON_CPU = """
+    import sys, torch
+    sys.path.insert(0, "tests")
+    from test_dropin import ExportedBlock, exported_inputs
+    assert not torch.cuda.is_available()
+    torch.export.save(torch.export.export(ExportedBlock(), exported_inputs()), PATH)
+    print("saved")
+"""
+
+
+@pytest.mark.gpu
+def test_program_exported_on_a_cpu_runs_cutile_on_a_gpu(tmp_path, monkeypatch):
+    """Exported and saved where no GPU is visible (its backend would have been "torch"), then loaded and run
+    on CUDA inputs: the cuTile kernels run, and the values are the float64 ones."""
+    from tilegym_rms import cutile
+
+    path = tmp_path / "block.pt2"
+    out = run_fresh(f"PATH = {str(path)!r}\n" + textwrap.dedent(EXPORT_ON_CPU), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.strip() == "saved"
+    launched = []
+    for name in ("forward", "fused_add_forward", "qk_forward"):
+        real = getattr(cutile, name)
+        monkeypatch.setattr(
+            cutile, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw)
+        )
+    program = torch.export.load(path).module().to("cuda")
+    inputs = exported_inputs("cuda")
+    outputs = program(*inputs)
+    assert sorted(launched) == ["forward", "fused_add_forward", "qk_forward"]
+    want = ExportedBlock(backend="torch").double()(*(t.double().cpu() for t in inputs))
+    for got, ref in zip(outputs, want, strict=True):
+        assert got.device.type == "cuda" and got.dtype == torch.float32
+        assert rel_err(got.cpu(), ref) <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
 # torch.compile's caches across versions of tilegym_rms
 # ----------------------------------------------------------------------------------------------
 

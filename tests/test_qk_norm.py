@@ -287,6 +287,7 @@ def _emulate_cutile(monkeypatch):
     from tilegym_rms.cutile.host import common
 
     calls = []
+    monkeypatch.setattr(cutile, "available", lambda device: (True, ""))  # the custom ops check it where they run
     monkeypatch.setattr(launch, "num_sms", lambda index: 4)
     monkeypatch.setattr(tuning, "table_for", lambda index: None)  # no device to key a table on
     monkeypatch.setattr(common, "launcher", lambda: _emulated_launch(calls))

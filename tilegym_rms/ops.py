@@ -4,10 +4,12 @@ Eager calls go through :class:`RMSNormFunction` / :class:`FusedAddRMSNormFunctio
 Functions: the least host work per call). Under ``torch.compile`` the same computation is reached
 through the custom ops ``tilegym_rms::rms_norm_fwd``, ``tilegym_rms::rms_norm_bwd`` and
 ``tilegym_rms::fused_add_rms_norm_fwd``, which have fake (meta) implementations and registered
-autograd, so a compiled model traces without graph breaks. DTensor inputs take the custom ops in
-eager mode too: DTensor runs them on the local shards by the rules of
-:mod:`tilegym_rms.integrations.dtensor`. With ``create_graph=True`` the eager Functions compute the
-backward with differentiable torch math (double backward).
+autograd, so a compiled model traces without graph breaks, and ``torch.export`` records them. Called
+with ``backend=None``, an op chooses the backend when it runs, so an exported program picks the best
+one of the machine that runs it. DTensor inputs take the custom ops in eager mode too: DTensor runs
+them on the local shards by the rules of :mod:`tilegym_rms.integrations.dtensor`. With
+``create_graph=True`` the eager Functions compute the backward with differentiable torch math (double
+backward).
 """
 
 from __future__ import annotations
@@ -157,11 +159,13 @@ def _rms_norm_fwd_op(
     eps: float,
     offset: float,
     casting_mode: str,
-    backend: str,
+    backend: Optional[str],
     kernel: Optional[str],
     wiring: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(x, weight, eps, offset, casting_mode, backend, kernel)
+    # ``backend`` None is resolved here, where the op runs, not where it was traced: a program that
+    # torch.export saved on one machine picks the best backend of the machine that loads it.
+    return _forward(x, weight, eps, offset, casting_mode, resolve_backend(x.device, backend), kernel)
 
 
 @_rms_norm_fwd_op.register_fake
@@ -178,9 +182,9 @@ def _rms_norm_bwd_op(
     rstd: torch.Tensor,
     offset: float,
     casting_mode: str,
-    backend: str,
+    backend: Optional[str],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = _backward(x, dy, weight, rstd, offset, casting_mode, backend)
+    dx, dw = _backward(x, dy, weight, rstd, offset, casting_mode, resolve_backend(x.device, backend))
     # A custom op cannot return None: without a weight, dw is an empty tensor.
     return dx, dw if dw is not None else x.new_empty((0,))
 
@@ -245,7 +249,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode=DEFAULT_CASTI
         # DTensor runs the op on local shards by its sharding rules, which must exist before a traced
         # call meets one (register() is a constant of the trace: it runs once while Dynamo traces).
         _dtensor.register()
-        return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, name, kernel, WIRING)[0]
+        return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, backend, kernel, WIRING)[0]
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, name, kernel)
     return _forward(x, weight, eps, offset, casting_mode, name, kernel, store_rstd=False)[0]
@@ -260,7 +264,7 @@ def rms_norm_forward(
     name = resolve_backend(x.device, backend)
     with torch.no_grad():
         if type(x) is not torch.Tensor and _dtensor.is_dtensor(x):  # local shards, as in rms_norm
-            return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, name, kernel, WIRING)
+            return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, backend, kernel, WIRING)
         return _forward(x, weight, eps, offset, casting_mode, name, kernel)
 
 
@@ -275,7 +279,7 @@ def rms_norm_backward(x, dy, weight, rstd, *, offset=0.0, casting_mode=DEFAULT_C
     name = resolve_backend(x.device, backend)
     with torch.no_grad():
         if type(x) is not torch.Tensor and _dtensor.is_dtensor(x):  # local shards, as in rms_norm
-            return _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, name)
+            return _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, backend)
         return _backward(x, dy, weight, rstd, offset, casting_mode, name)
 
 
@@ -391,10 +395,11 @@ def _fused_add_fwd_op(
     mode: str,
     offset: float,
     casting_mode: str,
-    backend: str,
+    backend: Optional[str],
     wiring: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, res_out, rstd = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, backend)
+    name = resolve_backend(x.device, backend)  # as in rms_norm_fwd
+    y, res_out, rstd = _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, name)
     # A custom op cannot return an alias of another output: in "post" mode the caller returns y twice.
     return y, (res_out if mode == "pre" else x.new_empty((0,))), rstd
 
@@ -428,9 +433,9 @@ def _fused_add_bwd_op(
     rstd: torch.Tensor,
     offset: float,
     casting_mode: str,
-    backend: str,
+    backend: Optional[str],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ds, dw = _backward(s, dy, weight, rstd, offset, casting_mode, backend, dres)
+    ds, dw = _backward(s, dy, weight, rstd, offset, casting_mode, resolve_backend(s.device, backend), dres)
     return ds, dw if dw is not None else s.new_empty((0,))  # as in rms_norm_bwd
 
 
@@ -447,7 +452,7 @@ def _fused_bwd_op_with_optional_dw(s, dy, dres, weight, rstd, offset, casting_mo
 def _fused_op_backward(ctx, dy, dres, _drstd):
     a, b, weight, rstd = ctx.saved_tensors
     mode, backend = ctx.config[0], ctx.config[-1]
-    fused = _fused_bwd_op_with_optional_dw if _has_fused_backward(backend) else None
+    fused = _fused_bwd_op_with_optional_dw if _has_fused_backward(resolve_backend(a.device, backend)) else None
     ds, dw = _fused_add_backward(
         _bwd_op_with_optional_dw, a, b, weight, rstd, *ctx.config, dy, dres if mode == "pre" else None, fused
     )
@@ -477,7 +482,7 @@ def fused_add_rms_norm(
     name = resolve_backend(x.device, backend)
     if torch.compiler.is_compiling() or (type(x) is not torch.Tensor and _dtensor.is_dtensor(x)):
         _dtensor.register()  # as in rms_norm
-        y, res_out, _ = _fused_add_fwd_op(x, residual, weight, eps, mode, offset, casting_mode, name, WIRING)
+        y, res_out, _ = _fused_add_fwd_op(x, residual, weight, eps, mode, offset, casting_mode, backend, WIRING)
         return y, (res_out if mode == "pre" else y)
     needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
     if torch.is_grad_enabled() and needs_grad:
@@ -501,9 +506,10 @@ def _fused_add_in_place_op(
     eps: float,
     offset: float,
     casting_mode: str,
-    backend: str,
+    backend: Optional[str],
 ) -> torch.Tensor:
-    return _fused_add_in_place(x, residual, weight, eps, offset, casting_mode, backend)
+    name = resolve_backend(x.device, backend)  # as in rms_norm_fwd
+    return _fused_add_in_place(x, residual, weight, eps, offset, casting_mode, name)
 
 
 @_fused_add_in_place_op.register_fake
@@ -536,7 +542,7 @@ def fused_add_rms_norm_(
         raise TypeError("fused_add_rms_norm_ does not take DTensors; use fused_add_rms_norm")
     name = resolve_backend(x.device, backend)
     if torch.compiler.is_compiling():
-        return _fused_add_in_place_op(x, residual, weight, eps, offset, casting_mode, name)
+        return _fused_add_in_place_op(x, residual, weight, eps, offset, casting_mode, backend)
     return _fused_add_in_place(x, residual, weight, eps, offset, casting_mode, name)
 
 
@@ -687,10 +693,11 @@ def _qk_fwd_op(
     eps: float,
     offset: float,
     casting_mode: str,
-    backend: str,
+    backend: Optional[str],
     wiring: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode, backend)
+    name = resolve_backend(q.device, backend)  # as in rms_norm_fwd
+    return _qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode, name)
 
 
 @_qk_fwd_op.register_fake
@@ -712,10 +719,11 @@ def _qk_bwd_op(
     k_rstd: torch.Tensor,
     offset: float,
     casting_mode: str,
-    backend: str,
+    backend: Optional[str],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    name = resolve_backend(q.device, backend)
     dq, dk, dwq, dwk = _qk_backward(
-        q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, casting_mode, backend
+        q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, casting_mode, name
     )
     # A custom op's outputs may not share storage (torch checks it on every call): the cuTile backend reduces
     # both weights' dw into one (2, D) buffer and returns its rows, so one of them is copied (D elements).
@@ -774,7 +782,7 @@ def qk_rms_norm(
         return rms_norm(q, q_weight, eps, **kw), rms_norm(k, k_weight, eps, **kw)
     name = resolve_backend(q.device, backend)
     if torch.compiler.is_compiling():
-        return _qk_fwd_op(q, k, q_weight, k_weight, eps, offset, casting_mode, name, WIRING)[:2]
+        return _qk_fwd_op(q, k, q_weight, k_weight, eps, offset, casting_mode, backend, WIRING)[:2]
     tensors = (q, k, q_weight, k_weight)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return QKRMSNormFunction.apply(q, k, q_weight, k_weight, eps, offset, casting_mode, name)
