@@ -1,6 +1,6 @@
-"""Drop-in behaviour a new user meets first: compile as the first call, double backward, torch.nn.RMSNorm
-parity, empty and zero-width inputs, fp16 overflow in casting mode "none", rstd and eps types, mixed
-dtypes in the fused add, Gemma-style initialisation.
+"""Drop-in behaviour a new user meets first: compile as the first call, the defaults giving torch.nn.RMSNorm's
+bits, double backward, empty and zero-width inputs, fp16 overflow in casting mode "none", rstd and eps types,
+mixed dtypes in the fused add, Gemma-style initialisation, torch.export.
 
 CPU tests use the torch backend; the Triton backend runs in a fresh subprocess under the interpreter
 (``TRITON_INTERPRET`` must be set before Triton sees the kernels); the ``gpu`` tests run the same checks
