@@ -76,7 +76,7 @@ def test_backward_argument_errors():
 
 
 def test_kernel_backends_reject_float64_with_a_hint():
-    from tilegym_rms.ops import _backend
+    from tilegym_rms.ops.common import _backend
 
     with pytest.raises(TypeError, match="backend='torch' for float64"):
         _backend(torch.randn(2, 4, dtype=torch.float64), "cutile")

@@ -684,7 +684,7 @@ CACHED_STEP = """
 
 
 def test_compile_cache_does_not_reuse_the_backward_of_another_version(tmp_path):
-    """A compiled backward cached by one version of ops.py must not serve another (PERFORMANCE.md,
+    """A compiled backward cached by one version of the ops must not serve another (PERFORMANCE.md,
     "Host path"): two copies of the package, the second with a backward that doubles dx, share
     one Inductor cache; the second must get doubled gradients."""
     import shutil
@@ -694,7 +694,7 @@ def test_compile_cache_does_not_reuse_the_backward_of_another_version(tmp_path):
     for i, scale in enumerate(("", " * 2")):
         root = tmp_path / f"v{i}"
         shutil.copytree(src, root / "tilegym_rms", ignore=shutil.ignore_patterns("__pycache__"))
-        ops = root / "tilegym_rms" / "ops.py"
+        ops = root / "tilegym_rms" / "ops" / "norm.py"
         old = "dx, dw = _rms_norm_bwd_op(x, dy, weight, rstd, *ctx.config)\n"
         text = ops.read_text()
         assert old in text

@@ -7,6 +7,7 @@ from conftest import rel_err
 
 import tilegym_rms
 from tilegym_rms import ops, reference
+from tilegym_rms.ops import qk as qk_ops
 
 B, S, HQ, HK = 2, 5, 4, 2
 
@@ -97,19 +98,19 @@ def test_a_transposed_input_gives_a_transposed_output_of_the_projection_layout()
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_heads_view_reads_in_place_where_a_3d_view_exists(layout):
     q, _ = _layout(layout, 16)
-    qo = ops._in_order(q, ops._stride_order(q))
-    q3 = ops._heads(qo)
-    assert q3.dim() == 3 and q3.stride(2) == 1 and ops._rows_apart(q3)
+    qo = qk_ops._in_order(q, qk_ops._stride_order(q))
+    q3 = qk_ops._heads(qo)
+    assert q3.dim() == 3 and q3.stride(2) == 1 and qk_ops._rows_apart(q3)
     assert (q3.data_ptr() == q.data_ptr()) == (layout in IN_PLACE_LAYOUTS)
     assert torch.equal(q3.reshape(-1, 16), qo.reshape(-1, 16))  # rows in the stride order
 
 
 def test_rows_apart_rejects_overlapping_and_gathered_rows():
     base = torch.randn(4, 8, 16)
-    assert ops._rows_apart(base)
-    assert not ops._rows_apart(base[..., ::2])  # last dim strided
-    assert not ops._rows_apart(torch.randn(16).expand(4, 8, 16))  # a broadcast gradient: every row the same
-    assert not ops._rows_apart(torch.randn(40, 16).as_strided((4, 8, 16), (16, 16, 1)))  # rows shared
+    assert qk_ops._rows_apart(base)
+    assert not qk_ops._rows_apart(base[..., ::2])  # last dim strided
+    assert not qk_ops._rows_apart(torch.randn(16).expand(4, 8, 16))  # a broadcast gradient: every row the same
+    assert not qk_ops._rows_apart(torch.randn(40, 16).as_strided((4, 8, 16), (16, 16, 1)))  # rows shared
 
 
 def test_weights_none_or_one_of_them():
@@ -235,12 +236,12 @@ def test_compile_fullgraph_matches_eager(layout):
 
 def test_compile_fake_outputs_have_the_real_strides():
     q, k = _layout("qkv_slice_transposed", 16, torch.float32)
-    real = ops._qk_fwd_op(q, k, None, None, 1e-6, 0.0, "llama", "torch", ops.WIRING)
+    real = qk_ops._qk_fwd_op(q, k, None, None, 1e-6, 0.0, "llama", "torch", ops.WIRING)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
         fq, fk = mode.from_tensor(q), mode.from_tensor(k)
-        fake = ops._qk_fwd_op(fq, fk, None, None, 1e-6, 0.0, "llama", "torch", ops.WIRING)
+        fake = qk_ops._qk_fwd_op(fq, fk, None, None, 1e-6, 0.0, "llama", "torch", ops.WIRING)
     for r, f in zip(real, fake, strict=True):
         assert r.shape == f.shape and r.stride() == f.stride() and r.dtype == f.dtype
 
@@ -304,9 +305,9 @@ def test_cutile_host_passes_consistent_views(monkeypatch, layout, weights):
     wq = torch.randn(16)
     wk = {"both": torch.randn(16), "q_only": None, "mixed_dtypes": torch.randn(16, dtype=torch.float64)}[weights]
     try:
-        yq, yk, rq, rk = ops._qk_forward(q, k, wq, wk, 1e-6, 0.0, "llama", "cutile")
+        yq, yk, rq, rk = qk_ops._qk_forward(q, k, wq, wk, 1e-6, 0.0, "llama", "cutile")
         dyq, dyk = torch.randn(q.shape).transpose(0, 1).contiguous().transpose(0, 1), torch.randn(k.shape)
-        dq, dk, dwq, dwk = ops._qk_backward(q, k, dyq, dyk, wq, wk, rq, rk, 0.0, "llama", "cutile")
+        dq, dk, dwq, dwk = qk_ops._qk_backward(q, k, dyq, dyk, wq, wk, rq, rk, 0.0, "llama", "cutile")
     finally:
         cutile.clear_caches()
     reductions = {"both": 1, "q_only": 1, "mixed_dtypes": 2}[weights]
@@ -329,8 +330,8 @@ def test_cutile_backward_op_returns_no_aliased_outputs(monkeypatch):
     wq, wk = torch.randn(16), torch.randn(16)
     dyq, dyk = torch.randn(q.shape), torch.randn(k.shape)
     try:
-        _, _, rq, rk = ops._qk_fwd_op(q, k, wq, wk, 1e-6, 0.0, "llama", "cutile", ops.WIRING)
-        dq, dk, dwq, dwk = ops._qk_bwd_op(q, k, dyq, dyk, wq, wk, rq, rk, 0.0, "llama", "cutile")
+        _, _, rq, rk = qk_ops._qk_fwd_op(q, k, wq, wk, 1e-6, 0.0, "llama", "cutile", ops.WIRING)
+        dq, dk, dwq, dwk = qk_ops._qk_bwd_op(q, k, dyq, dyk, wq, wk, rq, rk, 0.0, "llama", "cutile")
     finally:
         cutile.clear_caches()
     assert calls == ["qk_rms_norm_fwd", "qk_rms_norm_bwd", "rms_norm_dw_reduce"]  # one reduction for both

@@ -141,9 +141,9 @@ def _host_function(rstd, real_forward=False, real_backward=False):
 
 def _custom_op_forward(x, w):
     """The eager call through the torch.compile path's custom op and its registered autograd."""
-    from tilegym_rms import ops
+    from tilegym_rms.ops import WIRING, norm
 
-    return ops._rms_norm_fwd_op(x, w, 1e-6, 0.0, "llama", "cutile", None, ops.WIRING)[0]
+    return norm._rms_norm_fwd_op(x, w, 1e-6, 0.0, "llama", "cutile", None, WIRING)[0]
 
 
 class _TimedBackward(torch.autograd.Function):

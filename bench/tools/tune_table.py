@@ -70,9 +70,9 @@ import torch
 
 from bench.common import base, timing, traffic
 from bench.tools import tune_cutile
-from tilegym_rms import ops
 from tilegym_rms.cutile import config, tuning
 from tilegym_rms.cutile.tuning import build
+from tilegym_rms.ops import qk as qk_ops
 
 M_DEFAULT = (1, 64, 512, 2048, 8192, 32768)
 M_QUICK = (1, 512, 8192)
@@ -348,7 +348,7 @@ def qk_product_views(t: torch.Tensor) -> torch.Tensor:
     """The ``(G, H, D)`` view ``qk_rms_norm`` hands the cuTile host for ``t`` (ops merges the dims of dense
     layouts: a contiguous ``(tokens, heads, D)`` becomes ``(tokens * heads, 1, D)``). The kernels walk the
     two layouts differently, so a sweep on other views would tune a walk the product does not run."""
-    return ops._heads(t)
+    return qk_ops._heads(t)
 
 
 AFTER_FORWARD = "backward after the forward"  # --after-forward: what a backward run timed
