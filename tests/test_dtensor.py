@@ -438,5 +438,62 @@ def test_register_is_idempotent_without_a_process_group():
     assert not dtensor.is_dtensor(torch.ones(2))
 
 
+# ------------------------------------------------------------------------------------------------
+# Each op's sharding rule against the op's signature (no process group)
+# ------------------------------------------------------------------------------------------------
+
+
+def _declared_rules():
+    import tilegym_rms  # noqa: F401  (the op modules declare their rules on import)
+    from tilegym_rms.integrations import dtensor
+
+    return {op._opoverload._schema.name: (op._opoverload._schema, rule) for op, rule in dtensor._RULES}
+
+
+def _arguments(schema):
+    """Arguments for ``schema``: 3-D tensors, one string for every str (a mode of "pre"), zeros, None."""
+    x = torch.empty(2, 3, 8, device="meta")
+    kinds = {"Tensor": x, "Optional[Tensor]": x, "str": "pre", "float": 0.0, "Optional[str]": None}
+    return [kinds[str(a.type)] for a in schema.arguments]
+
+
+def _with_argument(schema, declaration):
+    """A copy of ``schema`` with ``declaration`` (``"Tensor bias"``) as its first argument."""
+    text = str(schema)
+    return torch._C.parse_schema(text.replace("(", f"({declaration}, ", 1))
+
+
+@pytest.mark.parametrize("op", ["rms_norm_fwd", "rms_norm_bwd", "fused_add_rms_norm_fwd", "fused_add_rms_norm_bwd"])
+def test_sharding_rule_places_its_ops_arguments_by_the_ops_schema(op):
+    """DTensor reads a rule's input placements by argument position: each must land on a tensor argument,
+    follow the schema when an argument is added, and raise when the rule misses a tensor argument."""
+    ok, why = _distributed_ok()
+    if not ok:
+        pytest.skip(why)
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tilegym_rms.integrations import dtensor
+
+    schema, rule = _declared_rules()[f"tilegym_rms::{op}"]
+    args = _arguments(schema)
+    strategies = dtensor.by_position(schema, rule)(*args)
+    tensor_positions = [i for i, a in enumerate(schema.arguments) if "Tensor" in str(a.type)]
+    # Replicated, or sharded on each of the two row dims of the 3-D x, never on the normalized dim.
+    assert [inputs[0] for _, inputs in strategies] == [Replicate(), Shard(0), Shard(1)]
+    for outputs, inputs in strategies:
+        assert len(outputs) == len(schema.returns)
+        assert [i for i, p in enumerate(inputs) if p is not None] == tensor_positions
+
+    # A new non-tensor argument ahead of the others: every placement moves with its argument.
+    scaled = _with_argument(schema, "float scale")
+    moved = dtensor.by_position(scaled, rule)(0.5, *args)
+    assert moved == [(outputs, [None, *inputs]) for outputs, inputs in strategies]
+
+    # A new tensor argument the rule does not place: an error, never a placement on the wrong tensor.
+    biased = _with_argument(schema, "Tensor bias")
+    with pytest.raises(ValueError, match=r"takes the tensors \['bias'"):
+        dtensor.by_position(biased, rule)(args[0], *args)
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2:])

@@ -1,7 +1,7 @@
 """Integrations with other libraries.
 
-:mod:`tilegym_rms.integrations.dtensor`: sharding rules for ``torch.distributed.tensor`` (used by
-:mod:`tilegym_rms.ops`).
+:mod:`tilegym_rms.integrations.dtensor`: how the custom ops of :mod:`tilegym_rms.ops` declare their
+sharding rules for ``torch.distributed.tensor``, and their registration.
 
 :mod:`tilegym_rms.integrations.hf` (Hugging Face transformers, ``pip install 'tilegym_rms[hf]'``):
 :func:`~tilegym_rms.integrations.hf.apply_to_model` swaps the RMSNorm modules of a loaded model for

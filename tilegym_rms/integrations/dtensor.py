@@ -1,4 +1,4 @@
-"""DTensor (``torch.distributed.tensor``) support: sharding rules for the tilegym_rms custom ops.
+"""DTensor (``torch.distributed.tensor``) support: how the tilegym_rms custom ops declare sharding rules.
 
 RMSNorm normalizes each row over the last dim on its own, so a DTensor ``x`` sharded on any other
 dim (data, sequence or batch parallel) runs the kernels on its local shard as is: ``y`` and ``rstd``
@@ -12,7 +12,11 @@ placement the rules list, and the result is exact. ``x`` sharded on the last dim
 (``y`` comes out replicated), a sharded weight is all-gathered: one collective per call, what
 sharding the normalized dim costs anyway.
 
-:func:`register` adds the rules with ``torch.distributed.tensor.experimental.register_sharding``
+Each op module declares its ops' rules beside them with :func:`sharding_rule`. A rule takes the op's
+arguments by name and names the placement of each tensor argument; the positions that
+``register_sharding`` wants come from the op's own schema, so a signature change cannot shift a
+placement onto another argument, and a tensor argument the rule does not place raises.
+:func:`register` hands the rules to ``torch.distributed.tensor.experimental.register_sharding``
 (public since torch 2.5; checked with 2.11 and 2.13). :mod:`tilegym_rms.ops` calls it on the first
 DTensor it sees and whenever ``torch.compile`` traces a call, and sends eager DTensor calls through
 the custom ops too: DTensor runs their registered autograd like any other op's, and the kernels see
@@ -25,9 +29,18 @@ import sys
 
 import torch
 
-__all__ = ["is_dtensor", "register"]
+__all__ = [
+    "is_dtensor",
+    "placeholder",
+    "register",
+    "row_rules",
+    "sharding_rule",
+    "weight_grad_placement",
+    "weight_placement",
+]
 
 _registered: bool | None = None  # None: not tried yet
+_RULES: list = []  # (custom op, rule) in the order the op modules declare them
 
 
 def is_dtensor(t) -> bool:
@@ -40,8 +53,24 @@ def is_dtensor(t) -> bool:
     return register()
 
 
+def sharding_rule(op):
+    """Declares ``rule`` the sharding rule of the custom op ``op`` (a ``torch.library.custom_op``).
+
+    ``rule(**arguments)`` gets the op's arguments by their schema names (tensors as DTensor's
+    tensor-like specs) and returns the acceptable strategies, each ``(output placements in return
+    order, {tensor argument name: placement})``; a missing optional tensor's placement is None."""
+
+    def add(rule):
+        _RULES.append((op, rule))
+        if _registered:  # declared after register() ran: hand it over now
+            _register_sharding(op, rule)
+        return rule
+
+    return add
+
+
 def register() -> bool:
-    """Registers DTensor sharding rules for the ``tilegym_rms::`` custom ops; idempotent.
+    """Registers the declared sharding rules with DTensor; idempotent.
 
     Returns False (and registers nothing) where torch has no ``torch.distributed`` or no public
     DTensor API (before 2.5 it lived in ``torch.distributed._tensor``)."""
@@ -52,64 +81,12 @@ def register() -> bool:
         _registered = False
         return False
     try:
-        from torch.distributed.tensor import Partial, Replicate, Shard
-        from torch.distributed.tensor.experimental import register_sharding
+        from torch.distributed.tensor.experimental import register_sharding  # noqa: F401
     except ImportError:
         _registered = False
         return False
-
-    from .. import ops  # noqa: F401  (defines torch.ops.tilegym_rms.*)
-
-    lib = torch.ops.tilegym_rms
-
-    def row_dims(x):
-        # Every dim but the normalized last one holds independent rows.
-        return range(x.ndim - 1)
-
-    def weight_placement(weight):
-        # No weight: its slot holds no tensor, so it gets no placement.
-        return None if weight is None else Replicate()
-
-    @register_sharding(lib.rms_norm_fwd.default)
-    def _rms_norm_fwd(x, weight, eps, offset, casting_mode, backend, kernel, wiring):
-        w = weight_placement(weight)
-        # (output placements [y, rstd], input placements [x, weight]) per acceptable strategy.
-        rules = [([Replicate(), Replicate()], [Replicate(), w])]
-        rules += [([Shard(d), Shard(d)], [Shard(d), w]) for d in row_dims(x)]
-        return rules
-
-    @register_sharding(lib.rms_norm_bwd.default)
-    def _rms_norm_bwd(x, dy, weight, rstd, offset, casting_mode, backend):
-        w = weight_placement(weight)
-        # dw sums over all rows: each shard's sum is a partial one. Without a weight, dw is an empty
-        # placeholder every rank holds alike.
-        dw = Partial() if weight is not None else Replicate()
-        rules = [([Replicate(), Replicate()], [Replicate(), Replicate(), w, Replicate()])]
-        rules += [([Shard(d), dw], [Shard(d), Shard(d), w, Shard(d)]) for d in row_dims(x)]
-        return rules
-
-    @register_sharding(lib.fused_add_rms_norm_bwd.default)
-    def _fused_add_bwd(s, dy, dres, weight, rstd, offset, casting_mode, backend):
-        # As rms_norm_bwd, dres sharded like s.
-        w = weight_placement(weight)
-        dw = Partial() if weight is not None else Replicate()
-        rules = [([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), w, Replicate()])]
-        rules += [([Shard(d), dw], [Shard(d), Shard(d), Shard(d), w, Shard(d)]) for d in row_dims(s)]
-        return rules
-
-    @register_sharding(lib.fused_add_rms_norm_fwd.default)
-    def _fused_add_fwd(x, residual, weight, eps, mode, offset, casting_mode, backend, wiring):
-        w = weight_placement(weight)
-
-        def outputs(p):
-            # mode "post" returns an empty placeholder for residual_out (the caller returns y twice).
-            return [p, p if mode == "pre" else Replicate(), p]
-
-        rules = [(outputs(Replicate()), [Replicate(), Replicate(), w])]
-        rules += [(outputs(Shard(d)), [Shard(d), Shard(d), w]) for d in row_dims(x)]
-        return rules
-
-    _hash_scalar_args(lib)
+    for op, rule in _RULES:
+        _register_sharding(op, rule)
     _registered = True
     return True
 
@@ -121,8 +98,75 @@ def register() -> bool:
 register._dynamo_marked_constant = True
 
 
-def _hash_scalar_args(lib) -> None:
-    """Makes DTensor's sharding cache key on the ops' non-tensor arguments.
+def _register_sharding(op, rule) -> None:
+    from torch.distributed.tensor.experimental import register_sharding
+
+    overload = op._opoverload
+    register_sharding(overload)(by_position(overload._schema, rule))
+    _hash_scalar_args(overload)
+
+
+def _is_tensor(arg_type) -> bool:
+    if isinstance(arg_type, torch.OptionalType):
+        arg_type = arg_type.getElementType()
+    return isinstance(arg_type, torch.TensorType)
+
+
+def by_position(schema, rule):
+    """``rule`` as ``register_sharding`` calls it: the op's arguments by position in, and input
+    placements by position out (None for the non-tensor arguments, which DTensor skips), both read
+    from ``schema``. Raises ValueError where the rule and the schema disagree."""
+    names = [a.name for a in schema.arguments]
+    tensors = {a.name for a in schema.arguments if _is_tensor(a.type)}
+    n_returns = len(schema.returns)
+
+    def positional_rule(*args, **kwargs):
+        order = names[: len(args)] + list(kwargs)
+        strategies = []
+        for outputs, inputs in rule(**dict(zip(names, args, strict=False)), **kwargs):
+            if inputs.keys() != tensors or len(outputs) != n_returns:
+                raise ValueError(
+                    f"the sharding rule of {schema.name} gives {len(outputs)} output placements and places "
+                    f"{sorted(inputs)}; the op returns {n_returns} tensors and takes the tensors {sorted(tensors)}"
+                )
+            strategies.append((list(outputs), [inputs.get(name) for name in order]))
+        return strategies
+
+    return positional_rule
+
+
+def weight_placement(weight):
+    """The weight is replicated; no weight: its slot holds no tensor, so it gets no placement."""
+    return None if weight is None else _placements().Replicate()
+
+
+def weight_grad_placement(rows, weight):
+    """dw sums over all rows: where the rows are sharded (``rows`` a Shard) each rank's sum is a partial
+    one. Without a weight dw is a :func:`placeholder`."""
+    return _placements().Partial() if weight is not None and rows.is_shard() else placeholder()
+
+
+def placeholder():
+    """The placement of an empty placeholder output (a custom op cannot return None): every rank holds it alike."""
+    return _placements().Replicate()
+
+
+def row_rules(x, outputs, inputs):
+    """The strategies of an op on independent rows: every tensor replicated, or sharded on one of
+    ``x``'s row dims (all but the normalized last one); ``outputs(p)`` and ``inputs(p)`` give the
+    placements for rows placed by ``p``."""
+    p = _placements()
+    return [(outputs(rows), inputs(rows)) for rows in (p.Replicate(), *(p.Shard(d) for d in range(x.ndim - 1)))]
+
+
+def _placements():
+    import torch.distributed.tensor as placements  # loaded by then: the rules run on DTensors only
+
+    return placements
+
+
+def _hash_scalar_args(overload) -> None:
+    """Makes DTensor's sharding cache key on the op's non-tensor arguments.
 
     ``register_sharding`` keys the cache on the int arguments alone and these ops have none, so a
     ``mode="post"`` call would reuse the output shapes cached for ``mode="pre"`` (whose
@@ -138,6 +182,4 @@ def _hash_scalar_args(lib) -> None:
     table = getattr(DTensor._op_dispatcher.sharding_propagator, "op_to_schema_info", None)
     if table is None:
         return
-    ops = (lib.rms_norm_fwd, lib.rms_norm_bwd, lib.fused_add_rms_norm_fwd, lib.fused_add_rms_norm_bwd)
-    for op in (o.default for o in ops):
-        table[op] = RuntimeSchemaInfo(static_argnum=1, needs_pytree=True)
+    table[overload] = RuntimeSchemaInfo(static_argnum=1, needs_pytree=True)

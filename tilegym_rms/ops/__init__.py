@@ -11,9 +11,10 @@ Eager calls go through :class:`RMSNormFunction` / :class:`FusedAddRMSNormFunctio
 Functions), which have fake (meta) implementations and registered autograd, so a compiled model traces
 without graph breaks, and ``torch.export`` records them. Called with ``backend=None``, an op chooses the
 backend when it runs, so an exported program picks the best one of the machine that runs it. DTensor
-inputs take the custom ops in eager mode too: DTensor runs them on the local shards by the rules of
-:mod:`tilegym_rms.integrations.dtensor`. With ``create_graph=True`` the eager Functions compute the
-backward with differentiable torch math (double backward).
+inputs take the custom ops in eager mode too: DTensor runs them on the local shards by the sharding
+rules declared beside each op (:func:`tilegym_rms.integrations.dtensor.sharding_rule`). With
+``create_graph=True`` the eager Functions compute the backward with differentiable torch math (double
+backward).
 """
 
 from .common import WIRING

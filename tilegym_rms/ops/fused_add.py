@@ -176,6 +176,25 @@ def _fused_op_backward(ctx, dy, dres, _drstd):
 _fused_add_fwd_op.register_autograd(_fused_op_backward, setup_context=_fused_op_setup_context)
 
 
+@_dtensor.sharding_rule(_fused_add_fwd_op)
+def _fused_add_fwd_rule(x, weight, mode, **_):
+    w = _dtensor.weight_placement(weight)
+
+    def outputs(p):
+        # mode "post" returns an empty placeholder for residual_out (the caller returns y twice).
+        return [p, p if mode == "pre" else _dtensor.placeholder(), p]
+
+    return _dtensor.row_rules(x, outputs, lambda p: {"x": p, "residual": p, "weight": w})
+
+
+@_dtensor.sharding_rule(_fused_add_bwd_op)
+def _fused_add_bwd_rule(s, weight, **_):
+    # As rms_norm_bwd's, dres sharded like s.
+    w = _dtensor.weight_placement(weight)
+    outputs = lambda p: [p, _dtensor.weight_grad_placement(p, weight)]  # ds, dw
+    return _dtensor.row_rules(s, outputs, lambda p: {"s": p, "dy": p, "dres": p, "weight": w, "rstd": p})
+
+
 def fused_add_rms_norm(
     x, residual, weight=None, eps=1e-6, *, mode="pre", offset=0.0, casting_mode=DEFAULT_CASTING_MODE, backend=None
 ):

@@ -105,6 +105,19 @@ def _bwd_op_with_optional_dw(x, dy, weight, rstd, offset, casting_mode, backend)
     return dx, (dw if weight is not None else None)
 
 
+@_dtensor.sharding_rule(_rms_norm_fwd_op)
+def _rms_norm_fwd_rule(x, weight, **_):
+    w = _dtensor.weight_placement(weight)
+    return _dtensor.row_rules(x, lambda p: [p, p], lambda p: {"x": p, "weight": w})
+
+
+@_dtensor.sharding_rule(_rms_norm_bwd_op)
+def _rms_norm_bwd_rule(x, weight, **_):
+    w = _dtensor.weight_placement(weight)
+    outputs = lambda p: [p, _dtensor.weight_grad_placement(p, weight)]  # dx, dw
+    return _dtensor.row_rules(x, outputs, lambda p: {"x": p, "dy": p, "weight": w, "rstd": p})
+
+
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
