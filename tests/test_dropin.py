@@ -704,3 +704,23 @@ def test_compile_cache_does_not_reuse_the_backward_of_another_version(tmp_path):
     # cwd: python -c puts it first on sys.path, ahead of PYTHONPATH
     first, second = (float(run_fresh(CACHED_STEP, {**env, "PYTHONPATH": str(root)}, cwd=root)) for root in copies)
     assert second == pytest.approx(2 * first, rel=1e-5)
+
+
+def test_wiring_fingerprint_changes_with_every_module_of_the_ops(tmp_path):
+    """The backward wiring lives in every module of ``tilegym_rms.ops``: an edit to any of them must change
+    the fingerprint that keys torch.compile's caches."""
+    import shutil
+    from pathlib import Path
+
+    from tilegym_rms.ops import common
+
+    package = tmp_path / "ops"
+    shutil.copytree(Path(common.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
+    assert common._wiring_fingerprint(package) == common.WIRING
+    modules = sorted(package.glob("*.py"))
+    assert {p.name for p in modules} >= {"__init__.py", "common.py", "norm.py", "fused_add.py", "qk.py"}
+    for path in modules:
+        text = path.read_text()
+        path.write_text(text + "\n")
+        assert common._wiring_fingerprint(package) != common.WIRING, path.name
+        path.write_text(text)
