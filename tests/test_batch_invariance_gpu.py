@@ -1,12 +1,13 @@
-"""Batch invariance of the kernel backends on a CUDA GPU (marker ``gpu``; skipped without CUDA): each probe
-row's outputs in batches of many sizes M are those of the row alone, bit for bit
+"""Batch invariance of the kernel backends on a CUDA GPU in the batch-invariant mode (marker ``gpu``; skipped
+without CUDA): each probe row's outputs in batches of many sizes M are those of the row alone, bit for bit
 (test_batch_invariance.assert_rows_invariant): forward ``y`` and ``rstd``, backward ``dx``, the fused add (its
 outputs and gradients), the in-place fused add and QK-norm, on cuTile and on Triton; ``dw``, a sum over the
-rows, must only be deterministic.
+rows, must only be deterministic. The default path is not batch invariant (PERFORMANCE.md, "Batch invariance").
 
-The Ms of a check come from the launch configurations: at every M where the kernel, plan, tiles or compiler
-hints change (cuTile: the heuristics and the device's tuning table, whichever decides; Triton: the path and
-its row tile), the Ms just below and above the change, plus a few small M and the largest. A batch holds at
+The Ms of a check come from the default path's launch configurations: at every M where the kernel, strategy,
+tiles or compiler hints would change without the mode (cuTile: the heuristics and the device's tuning table,
+whichever decides; Triton: the path and its row tile), the Ms just below and above the change, plus a few small
+M and the largest; the failure message names the mode's launches. A batch holds at
 most about MAX_ELEMS elements. Widths: a few per tile class by default (WIDTHS): about 200 cuTile variants to
 compile on a fresh machine, a few minutes under ``-n 4``; ``TILEGYM_RMS_TEST_WIDTHS=table`` adds every N point
 of the shipped tuning tables (many more: run it after a table changes).
@@ -31,13 +32,21 @@ from test_batch_invariance import (
 )
 from test_cutile_gpu import _quiet_experimental_and_release_memory  # noqa: F401  (autouse)
 
-from tilegym_rms.cutile import config, tuning
+import tilegym_rms
+from tilegym_rms.cutile import tuning
 from tilegym_rms.cutile.host import backward as cutile_backward
 from tilegym_rms.cutile.host import forward as cutile_forward
 from tilegym_rms.cutile.host import qk as cutile_qk
 from tilegym_rms.cutile.host.common import target
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _batch_invariant_mode():
+    with tilegym_rms.batch_invariant():
+        yield
+
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -113,26 +122,34 @@ def _no_grid(cfg):
 # ------------------------------------------------------------------------------------------------
 
 
+def _targets():
+    """The host's targets on device 0: the default path's, whose launch changes choose the Ms, and the mode's."""
+    return target(0), target(0, invariant=True)
+
+
 def cutile_forward_launch(n, dtype, kernel=None, op="forward"):
-    """The forward's configuration at M as the host chooses it on device 0 (tiles by M's bucket, the table's
-    ``op``)."""
-    on = target(0)
-    return lambda m: _no_grid(cutile_forward.config_for(on, m, n, dtype, kernel, op))
+    """The forward's configurations at M as the host chooses them on device 0 (the table's ``op``), without and
+    with the mode."""
+    targets = _targets()
+    return lambda m: tuple(_no_grid(cutile_forward.config_for(on, m, n, dtype, kernel, op)) for on in targets)
 
 
 def cutile_backward_launch(n, dtype):
-    on = target(0)
-    return lambda m: _no_grid(cutile_backward.config_for(on, m, n, dtype))
+    targets = _targets()
+    return lambda m: tuple(_no_grid(cutile_backward.config_for(on, m, n, dtype)) for on in targets)
 
 
 def cutile_qk_launch(d, dtype):
-    """The qk kernels' configuration for M tokens, and whether the rows of q's and k's qkv slices are tiled
-    along the heads (fewer tokens than heads, see cutile.host.qk._tile_rows_along_dim0)."""
-    on = target(0)
+    """The default qk kernels' configuration for M tokens and whether the rows of q's and k's qkv slices are tiled
+    along the heads (fewer tokens than heads, see cutile.host.qk._tile_rows_along_dim0); then the mode's plain
+    norm launches on q's rows and on k's."""
+    on, invariant = _targets()
+    fwd, bwd = cutile_forward_launch(d, dtype), cutile_backward_launch(d, dtype)
 
     def launch(m):
         rows_q, rows_k = m * QK_HEADS[0], m * QK_HEADS[1]
-        return _no_grid(cutile_qk.config_for(on, rows_q, rows_k, d, dtype)), m < QK_HEADS[0], m < QK_HEADS[1]
+        default = _no_grid(cutile_qk.config_for(on, rows_q, rows_k, d, dtype)), m < QK_HEADS[0], m < QK_HEADS[1]
+        return default, *(f(rows)[1] for rows in (rows_q, rows_k) for f in (fwd, bwd))
 
     return launch
 
@@ -166,12 +183,12 @@ def test_cutile_without_weight(n, dtype):
         _check_cutile(op, launch, n, dtype)
 
 
-@pytest.mark.parametrize("kernel", config.FORWARD_KERNELS)
 @pytest.mark.parametrize("n,dtype", _points({BF16: (1000, 4096, 12288), FP32: (1000, 4096, 12288)}))
-def test_cutile_forced_forward_kernel(n, dtype, kernel):
-    """Each forward kernel alone: the table's winners of that kernel by bucket, else its heuristic tiles."""
-    op = forward_op(weight_of(n, dtype, "cuda"), backend="cutile", kernel=kernel)
-    _check_cutile(op, cutile_forward_launch(n, dtype, kernel), n, dtype)
+def test_cutile_forced_gather_forward(n, dtype):
+    """``kernel="gather"``, the mode's only forward kernel (the persistent one is refused), at the Ms where the
+    default path's gather winners change."""
+    op = forward_op(weight_of(n, dtype, "cuda"), backend="cutile", kernel="gather")
+    _check_cutile(op, cutile_forward_launch(n, dtype, "gather"), n, dtype)
 
 
 @pytest.mark.parametrize("n,dtype", _points(FUSED_WIDTHS, "fused_forward"))
@@ -231,10 +248,15 @@ def _compiled_triton():
 
 
 def triton_launch(n, dtype, *ops):
-    """The Triton plans (path, row tile, masks) of ``ops`` ("forward", "fused_add", "backward") at M."""
+    """The Triton plans (path, row tile, masks) of ``ops`` ("forward", "fused_add", "backward") at M, without and
+    with the mode."""
     from tilegym_rms.triton import config as triton_config
 
-    return lambda m: tuple(dataclasses.replace(triton_config.choose_tiles(m, n, dtype, op), num_tasks=0) for op in ops)
+    def tiles(m, op, invariant):
+        return dataclasses.replace(triton_config.choose_tiles(m, n, dtype, op, invariant=invariant), num_tasks=0)
+
+    # The default plans choose the Ms; the mode's are what runs.
+    return lambda m: tuple(tiles(m, op, invariant) for invariant in (False, True) for op in ops)
 
 
 TRITON_OPS = {

@@ -251,3 +251,14 @@ def test_autograd_fused_add_gpu(mode):
     (y64 * 2 + res64.sin()).sum().backward()
     for a, b in ((y, y64), (res, res64), (x.grad, x64.grad), (r.grad, r64.grad), (w.grad, w64.grad)):
         assert (a.double() - b).norm() / b.norm() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weight", [True, False], ids=["weight", "no_weight"])
+@pytest.mark.parametrize("m,n", [(7, 64), (4097, 1000), (4097, 5120), (4097, 12288), (129, 16384), (4097, 24576),
+                                 (7, 65536), (3, 100000)])  # fmt: skip
+def test_batch_invariant_mode(m, n, dtype, weight):
+    """The mode's launches against float64: the gather forward and the direct backward at every width, whole padded
+    rows up to 16384 columns and column chunks beyond (the direct backward's chunked dx branch, SINGLE_TILE off)."""
+    with tilegym_rms.batch_invariant():
+        _check(m, n, dtype, weight=weight)

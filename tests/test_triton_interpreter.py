@@ -465,9 +465,12 @@ INVARIANCE_CASES = [
 @pytest.mark.parametrize(("N", "ub_bytes", "ms"), INVARIANCE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rows_are_batch_invariant(ub, dtype, N, ub_bytes, ms, op_name):
+    """In the batch-invariant mode, at the Ms where the default path's tiles and schedule change."""
     ub(ub_bytes)
     op = plain_ops(weight_of(N, dtype), backend="triton")[op_name]
-    assert_rows_invariant(op, row_probes(N, dtype), ms, describe=lambda m: config.choose_tiles(m, N, dtype))
+    with tilegym_rms.batch_invariant():
+        describe = lambda m: config.choose_tiles(m, N, dtype, invariant=True)  # noqa: E731
+        assert_rows_invariant(op, row_probes(N, dtype), ms, describe=describe)
 
 
 # ------------------------------------------------------------------------------------------------

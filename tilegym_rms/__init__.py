@@ -4,6 +4,7 @@ cuTile kernels on NVIDIA GPUs, Triton kernels for Ascend NPUs (also run on NVIDI
 Triton), and a pure-torch reference on the CPU, all behind :func:`rms_norm`.
 """
 
+from .batch_invariance import batch_invariant, is_batch_invariant, set_batch_invariant
 from .dispatch import BACKENDS, available_backends
 from .experimental import ExperimentalKernelWarning, experimental_kernel
 from .module import RMSNorm
@@ -29,12 +30,15 @@ __all__ = [
     "RMSNormFunction",
     "available_backends",
     "backward_workspace_bytes",
+    "batch_invariant",
     "experimental_kernel",
     "fused_add_rms_norm",
     "fused_add_rms_norm_",
+    "is_batch_invariant",
     "qk_rms_norm",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",
+    "set_batch_invariant",
     "__version__",
 ]

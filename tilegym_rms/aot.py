@@ -113,13 +113,14 @@ def variants_for(
     kernels=(None, *config.FORWARD_KERNELS),
     every_path: bool = True,
     table=None,
+    invariant: bool = False,
 ) -> list[Variant]:
     """The kernel variants the dispatcher launches for an ``(m, n)`` input of ``dtype`` (forward in each of
     ``kernels``, backward and the dw reduction): with ``every_path``, every casting mode, the no-weight and
     the no-rstd variants on bf16; otherwise only a training call's (default casting, weight, rstd stored).
-    ``table``: a tuning table whose winners the configs follow (None: the analytic heuristics). The weight
-    has x's dtype."""
-    target = Target(num_sms, table)
+    ``table``: a tuning table whose winners the configs follow (None: the analytic heuristics); ``invariant``:
+    in the batch-invariant mode. The weight has x's dtype."""
+    target = Target(num_sms, table, invariant)
     found, record = _collector()
     x, w, rstd = _meta(dtype, m, n), _meta(dtype, n), _meta(torch.float32, m)
     for kernel in _available(target, m, n, dtype, kernels):
@@ -150,14 +151,21 @@ FUSED_ADD_N = (1000, 5120, 65536)
 
 
 def fused_add_variants_for(
-    m: int, n: int, dtype, residual_dtype, num_sms: int = REFERENCE_SMS, kernels=config.FORWARD_KERNELS, table=None
+    m: int,
+    n: int,
+    dtype,
+    residual_dtype,
+    num_sms: int = REFERENCE_SMS,
+    kernels=config.FORWARD_KERNELS,
+    table=None,
+    invariant: bool = False,
 ) -> list[Variant]:
     """The variants a fused add of ``(m, n)`` launches: the forward in each of ``kernels`` (None: the
     dispatcher's choice), in modes "pre" and "post", and the backward adding the gradient of residual_out
     (``HAS_DRES``), which runs on the sum (``residual_dtype``, as its weight). The default casting with a
     weight of x's dtype. ``table``: a tuning table whose winners the configs follow (the forward's ``fused_forward``
-    entry, then its ``forward`` one, as the host)."""
-    target = Target(num_sms, table)
+    entry, then its ``forward`` one, as the host); ``invariant``: in the batch-invariant mode."""
+    target = Target(num_sms, table, invariant)
     found, record = _collector()
     full = dtype == residual_dtype == torch.bfloat16
     x, w, residual = _meta(dtype, m, n), _meta(dtype, n), _meta(residual_dtype, m, n)
@@ -183,16 +191,20 @@ def variants(arch: str | None = None) -> list[Variant]:
 
 
 def _heuristic_variants() -> list[Variant]:
-    """What the heuristics (``config.HEURISTICS``, as overridden at the call) launch over the representative grid."""
+    """What the heuristics (``config.HEURISTICS``, as overridden at the call) launch over the representative grid,
+    in the default and in the batch-invariant mode (the gather forward and the direct backward at every width)."""
     found: dict[Variant, None] = dict.fromkeys(qk_variants())
-    for dtype in DTYPES:
-        for n in REPRESENTATIVE_N if dtype == torch.bfloat16 else TILE_CLASS_N:
-            for m in REPRESENTATIVE_M:
-                found.update(dict.fromkeys(variants_for(m, n, dtype, every_path=n in TILE_CLASS_N)))
-    for dtype, residual_dtype in FUSED_ADD_DTYPES:
-        for n in FUSED_ADD_N if dtype == residual_dtype == torch.bfloat16 else FUSED_ADD_N[1:2]:
-            for m in REPRESENTATIVE_M:
-                found.update(dict.fromkeys(fused_add_variants_for(m, n, dtype, residual_dtype)))
+    for invariant in (False, True):
+        for dtype in DTYPES:
+            for n in REPRESENTATIVE_N if dtype == torch.bfloat16 else TILE_CLASS_N:
+                for m in REPRESENTATIVE_M:
+                    more = variants_for(m, n, dtype, every_path=n in TILE_CLASS_N, invariant=invariant)
+                    found.update(dict.fromkeys(more))
+        for dtype, residual_dtype in FUSED_ADD_DTYPES:
+            for n in FUSED_ADD_N if dtype == residual_dtype == torch.bfloat16 else FUSED_ADD_N[1:2]:
+                for m in REPRESENTATIVE_M:
+                    more = fused_add_variants_for(m, n, dtype, residual_dtype, invariant=invariant)
+                    found.update(dict.fromkeys(more))
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled.
     reductions, record = _collector()
     tile_n = config.HEURISTICS.reduce_min_tile_n

@@ -193,7 +193,8 @@ class ForwardConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    # "direct" (few rows: rms_norm_bwd_direct writes dx and dw), "persistent" (rows fit one tile, or a
+    # "direct" (few rows, or the batch-invariant mode: rms_norm_bwd_direct writes dx and dw; rows wider
+    # than tile_n in column chunks), "persistent" (rows fit one tile, or a
     # tile and a tail tile: rms_norm_bwd_persistent writes dx and dw partial rows, then the reduction) or
     # "chunked" (rms_norm_bwd_row_dot and rms_norm_bwd_column_chunk over column chunks, then the reduction)
     strategy: str
@@ -334,16 +335,37 @@ def build_forward(cand: ForwardCandidate, m: int, n: int, num_sms: int) -> Forwa
 
 
 def forward_config(
-    m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None, table=None, op: str = "forward"
+    m: int,
+    n: int,
+    dtype: torch.dtype,
+    num_sms: int,
+    kernel: str | None = None,
+    table=None,
+    op: str = "forward",
+    invariant: bool = False,
 ) -> ForwardConfig:
     """Chooses the forward kernel and its tiles: the tuning ``table``'s winner for the bucket of ``(m, n,
     dtype)`` (a :class:`.tuning.Table`), else the analytic heuristics. ``op`` "fused_forward" (the fused
     residual add) takes its own entry first, then the plain forward's. ``kernel`` forces one ("gather" /
-    "persistent"); a table winner of the other kernel then gives way to the next in that order."""
-    winners = table.winners(op, m, n, dtype) if table is not None else ()
+    "persistent"); a table winner of the other kernel then gives way to the next in that order.
+
+    ``invariant`` (the batch-invariant mode): the gather kernel as chosen for one row, whatever ``m``. It
+    computes each row in a block of its own with no row loop, so a row's code and tiles never follow M; the
+    persistent kernel's rows move to later iterations of its grid-stride loop as M grows, which the compiler
+    builds differently (PERFORMANCE.md, "Batch invariance")."""
+    if invariant:
+        if kernel not in (None, "gather"):
+            raise ValueError(
+                f"kernel={kernel!r} loops over rows and is not batch invariant; in the batch-invariant mode "
+                "kernel must be None or 'gather'"
+            )
+        kernel, cand_m = "gather", 1
+    else:
+        cand_m = m
+    winners = table.winners(op, cand_m, n, dtype) if table is not None else ()
     cand = next((c for c in winners if kernel in (None, c.kernel)), None)
     if cand is None:
-        cand = forward_candidate(m, n, dtype, num_sms, kernel)
+        cand = forward_candidate(cand_m, n, dtype, num_sms, kernel)
     return build_forward(cand, m, n, num_sms)
 
 
@@ -354,9 +376,7 @@ def backward_candidate(
     del dtype
     p = params or HEURISTICS
     if next_pow2(n) <= p.bwd_direct_max_tile_n and m <= p.bwd_direct_max_rows_per_sm * num_sms:
-        tile_n = next_pow2(n)
-        _, occupancy, warps = _persistent_class(tile_n, "bwd", p)
-        return BackwardCandidate("direct", _tile_m(tile_n, p.bwd_narrow_tile_elems, p), tile_n, 0, 0, occupancy, warps)
+        return _direct_candidate(next_pow2(n), p)
     if next_pow2(n) <= p.bwd_max_single_tile_n:
         tile_n, tail_n = split_row(n)
         row = tile_n + tail_n
@@ -367,6 +387,31 @@ def backward_candidate(
     return BackwardCandidate(
         "chunked", p.bwd_chunk_tile_m, p.bwd_chunk_n, 0, *_persistent_class(p.bwd_chunk_n, "bwd", p)
     )
+
+
+def _direct_candidate(tile_n: int, p: Heuristics, tile_m: int | None = None) -> BackwardCandidate:
+    """The direct strategy with ``tile_n`` columns per tile (the whole padded row, or a column chunk) and the
+    persistent backward's hints for that width."""
+    _, occupancy, warps = _persistent_class(tile_n, "bwd", p)
+    tile_m = tile_m or _tile_m(tile_n, p.bwd_narrow_tile_elems, p)
+    return BackwardCandidate("direct", tile_m, tile_n, 0, 0, occupancy, warps)
+
+
+def invariant_backward_candidate(
+    n: int, dtype: torch.dtype, num_sms: int, table=None, params: Heuristics | None = None
+) -> BackwardCandidate:
+    """The backward of the batch-invariant mode, the same at every M: the direct strategy, whose blocks each
+    compute dx of one row tile once (no row loop; its dw strips walk all rows in a fixed order). The choice
+    for one row where that is direct (the table's, else the heuristics'); wider rows take the whole padded row
+    up to ``bwd_max_single_tile_n`` and ``bwd_chunk_n``-wide column chunks beyond."""
+    p = params or HEURISTICS
+    one_row = table.lookup("backward", 1, n, dtype) if table is not None else None
+    one_row = one_row or backward_candidate(1, n, dtype, num_sms, p)
+    if one_row.strategy == "direct":
+        return one_row
+    if next_pow2(n) <= p.bwd_max_single_tile_n:
+        return _direct_candidate(next_pow2(n), p)
+    return _direct_candidate(p.bwd_chunk_n, p, p.bwd_chunk_tile_m)
 
 
 def _dw_per_row(cand: BackwardCandidate, m: int, p: Heuristics) -> bool:
@@ -397,12 +442,17 @@ def build_backward(cand: BackwardCandidate, m: int, n: int, num_sms: int) -> Bac
     return BackwardConfig("chunked", cand.tile_m, cand.tile_n, grid, num_chunks, hints)
 
 
-def backward_config(m: int, n: int, dtype: torch.dtype, num_sms: int, table=None) -> BackwardConfig:
+def backward_config(
+    m: int, n: int, dtype: torch.dtype, num_sms: int, table=None, invariant: bool = False
+) -> BackwardConfig:
     """Chooses the backward kernels, tiles and the number of dw partial rows (``grid``): the tuning
-    ``table``'s winner for the bucket, else the analytic heuristics (see :func:`forward_config`)."""
-    cand = table.lookup("backward", m, n, dtype) if table is not None else None
-    if cand is None:
-        cand = backward_candidate(m, n, dtype, num_sms)
+    ``table``'s winner for the bucket, else the analytic heuristics (see :func:`forward_config`);
+    ``invariant``: :func:`invariant_backward_candidate`."""
+    if invariant:
+        cand = invariant_backward_candidate(n, dtype, num_sms, table)
+    else:
+        cand = table.lookup("backward", m, n, dtype) if table is not None else None
+        cand = cand or backward_candidate(m, n, dtype, num_sms)
     return build_backward(cand, m, n, num_sms)
 
 

@@ -320,23 +320,40 @@ def rms_norm_bwd_direct(
     TILE_N: ct.Constant[int],
     STRIP_N: ct.Constant[int],
     STRIP_M: ct.Constant[int],
+    SINGLE_TILE: ct.Constant[bool],
     HAS_W: ct.Constant[bool],
     HAS_DRES: ct.Constant[bool],
 ):
     """Few rows, one launch, no partial buffer: the first ``cdiv(M, TILE_M)`` blocks each write dx for one
-    ``TILE_M x TILE_N`` row tile (``TILE_N >= N``); each further block owns a ``STRIP_N``-wide column strip
-    of dw and sums ``dy * x^`` over all M rows, ``STRIP_M`` rows per step, in a fixed order. The strips read
-    x and dy a second time, which at small M costs less than a second launch."""
+    ``TILE_M x TILE_N`` row tile (``SINGLE_TILE``: ``TILE_N >= N``; otherwise over column chunks, the row dot
+    in a first pass, dx in a second); each further block owns a ``STRIP_N``-wide column strip of dw and sums
+    ``dy * x^`` over all M rows, ``STRIP_M`` rows per step, in a fixed order. The strips read x and dy a
+    second time, which at small M costs less than a second launch. No block loops over row tiles, so a row's
+    dx is computed by the same code at every M (the batch-invariant mode's backward)."""
     n = x.shape[1]
     row_tiles = ct.cdiv(x.shape[0], TILE_M)
     b = ct.bid(0)
     if b < row_tiles:
-        wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
         r = _load_row_values(rstd, b, TILE_M)
-        xhat, dyf = _xhat_and_dy(x, dy, r, b, 0, TILE_M, TILE_N)
-        g = dyf * wt
-        c = _row_dot(xhat, g) / n
-        ct.store(dx, (b, 0), _dx(g, xhat, c, r, dres, (b, 0), (TILE_M, TILE_N), HAS_DRES, dx.dtype), allow_tma=False)
+        if SINGLE_TILE:
+            wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
+            xhat, dyf = _xhat_and_dy(x, dy, r, b, 0, TILE_M, TILE_N)
+            g = dyf * wt
+            c = _row_dot(xhat, g) / n
+            dx_tile = _dx(g, xhat, c, r, dres, (b, 0), (TILE_M, TILE_N), HAS_DRES, dx.dtype)
+            ct.store(dx, (b, 0), dx_tile, allow_tma=False)
+        else:
+            num_chunks = ct.cdiv(n, TILE_N)
+            acc = ct.zeros((TILE_M, TILE_N), dtype=_F32)
+            for j in range(num_chunks):
+                xhat, dyf = _xhat_and_dy(x, dy, r, b, j, TILE_M, TILE_N)
+                acc = acc + xhat * (dyf * _effective_weight(w, j, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype))
+            c = ct.sum(acc, axis=1, keepdims=True) / n
+            for j in range(num_chunks):
+                xhat, dyf = _xhat_and_dy(x, dy, r, b, j, TILE_M, TILE_N)
+                g = dyf * _effective_weight(w, j, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
+                dx_chunk = _dx(g, xhat, c, r, dres, (b, j), (TILE_M, TILE_N), HAS_DRES, dx.dtype)
+                ct.store(dx, (b, j), dx_chunk, allow_tma=False)
     elif HAS_W:
         strip = b - row_tiles
         acc = ct.zeros((STRIP_M, STRIP_N), dtype=_F32)

@@ -104,17 +104,28 @@ class Tiling:
     even_n: bool  # N % block_n == 0: the column mask can be dropped at compile time
 
 
-def choose_tiles(M: int, N: int, dtype=None, op: str = "forward", path: str | None = None) -> Tiling:
+def choose_tiles(
+    M: int, N: int, dtype=None, op: str = "forward", path: str | None = None, invariant: bool = False
+) -> Tiling:
     """The path from :func:`choose_path` (or ``path``, to force one) plus the tile shape for it.
 
     Block path: ``BLOCK_N = next_pow2(N)``; ``BLOCK_M`` fills the budget, capped by ``BLOCK_M_CAP``
     and by ``next_pow2(M)`` (no point in masked rows beyond M). Block-row: as many rows per step as
     fit, capped by ``BLOCK_ROW_CAP``. Partitioned: one row per task, the largest column chunk that
     fits.
+
+    ``invariant`` (the batch-invariant mode): the path and tiles of the largest M, for every M (a row tile's
+    shape sets how the compiler lays out, and so sums, a row), and never the block-row schedule, whose
+    slabs and rows per step follow M.
     """
     budget = max_tile_elems(op)
+    if invariant and path == "block_row":
+        raise ValueError(
+            "path 'block_row' walks slabs of rows whose length follows M: not batch invariant; in the "
+            "batch-invariant mode the path must be None, 'block' or 'partitioned'"
+        )
     if path is None:
-        path = choose_path(M, N, dtype, op)
+        path = "block" if invariant and next_pow2(N) <= budget else choose_path(M, N, dtype, op)
     elif path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     elif path != "partitioned" and next_pow2(N) > budget:
@@ -124,7 +135,7 @@ def choose_tiles(M: int, N: int, dtype=None, op: str = "forward", path: str | No
     else:
         block_n = next_pow2(N)
         rows = prev_pow2(budget // block_n)
-        cap = BLOCK_ROW_CAP if path == "block_row" else min(BLOCK_M_CAP, next_pow2(M))
+        cap = BLOCK_ROW_CAP if path == "block_row" else BLOCK_M_CAP if invariant else min(BLOCK_M_CAP, next_pow2(M))
         block_m = max(1, min(rows, cap))
     num_tasks = cdiv(M, block_m)
     return Tiling(path, block_m, block_n, num_tasks, M % block_m == 0, N % block_n == 0)

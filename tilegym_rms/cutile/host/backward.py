@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ...batch_invariance import is_batch_invariant
 from .. import config
 from . import common
 from .common import Launch, Target, make_launch, plain, target, weight_arg
 
 
 def config_for(tgt: Target, m: int, n: int, dtype: torch.dtype) -> config.BackwardConfig:
-    return config.backward_config(m, n, dtype, tgt.sms, tgt.table)
+    return config.backward_config(m, n, dtype, tgt.sms, tgt.table, tgt.invariant)
 
 
 def reduce_launch(tgt: Target, n: int) -> Launch:
@@ -47,7 +48,7 @@ def backward_launches(tgt: Target, m, n, dtype, has_w, has_dres) -> BackwardLaun
     k = common.kernels()
     cfg = config_for(tgt, m, n, dtype)
     if cfg.strategy == "direct":
-        constants = (cfg.tile_m, cfg.tile_n, cfg.strip_n, cfg.strip_m, has_w, has_dres)
+        constants = (cfg.tile_m, cfg.tile_n, cfg.strip_n, cfg.strip_m, cfg.tile_n >= n, has_w, has_dres)
         grid = (cfg.grid + (cfg.num_chunks if has_w else 0),)
         return BackwardLaunches(cfg, make_launch(k.rms_norm_bwd_direct, grid, constants, cfg.hints), (1, 1))
     partial = (cfg.grid, n) if has_w else (1, 1)
@@ -90,14 +91,15 @@ def start(bl: BackwardLaunches, x, dy, dres, weight, rstd, offset, dev: int, lau
     return dx, dw
 
 
+# Keyed by the batch-invariant mode too (is_batch_invariant(), read at each call), which changes the launches.
 @functools.lru_cache(maxsize=4096)
-def cached_config(dev: int, m: int, n: int, dtype) -> config.BackwardConfig:
-    return config_for(target(dev), m, n, dtype)
+def cached_config(dev: int, m: int, n: int, dtype, invariant=False) -> config.BackwardConfig:
+    return config_for(target(dev, invariant), m, n, dtype)
 
 
 @functools.lru_cache(maxsize=4096)
-def cached_launches(dev: int, m, n, dtype, has_w, has_dres) -> BackwardLaunches:
-    return backward_launches(target(dev), m, n, dtype, has_w, has_dres)
+def cached_launches(dev: int, m, n, dtype, has_w, has_dres, invariant=False) -> BackwardLaunches:
+    return backward_launches(target(dev, invariant), m, n, dtype, has_w, has_dres)
 
 
 CACHES = (cached_config, cached_launches)
@@ -108,7 +110,7 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
     del casting_mode  # the backward formula is the same for every casting mode
     m, n = x.shape
     dev = x.get_device()
-    bl = cached_launches(dev, m, n, x.dtype, weight is not None, False)
+    bl = cached_launches(dev, m, n, x.dtype, weight is not None, False, is_batch_invariant())
     return start(bl, x, dy, None, weight, rstd, offset, dev, common.launcher())
 
 
@@ -118,11 +120,11 @@ def fused_add_backward(s, dy, dres, weight, rstd, offset, casting_mode):
     del casting_mode  # as in backward
     m, n = s.shape
     dev = s.get_device()
-    bl = cached_launches(dev, m, n, s.dtype, weight is not None, True)
+    bl = cached_launches(dev, m, n, s.dtype, weight is not None, True, is_batch_invariant())
     return start(bl, s, dy, dres, weight, rstd, offset, dev, common.launcher())
 
 
 def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes of the fp32 dw partial buffer (grid x N x 4) the backward allocates (none in the direct strategy)."""
-    cfg = cached_config(common.device_index(device), m, n, dtype)
+    cfg = cached_config(common.device_index(device), m, n, dtype, is_batch_invariant())
     return 0 if cfg.strategy == "direct" else cfg.grid * n * 4

@@ -22,18 +22,21 @@ from .. import config, tuning
 
 @dataclass(frozen=True)
 class Target:
-    """What a launch configuration depends on besides the shapes: the SM count and the tuning table (None:
-    the analytic heuristics)."""
+    """What a launch configuration depends on besides the shapes: the SM count, the tuning table (None:
+    the analytic heuristics) and whether the batch-invariant mode is on (:mod:`tilegym_rms.batch_invariance`:
+    launches that depend on N and dtype only, by kernels without a row loop)."""
 
     sms: int
     table: tuning.Table | None = None
+    invariant: bool = False
 
 
-def target(device_index: int) -> Target:
-    """The target of a CUDA device: its SM count and the table the host uses there (:func:`.tuning.table_for`)."""
+def target(device_index: int, invariant: bool = False) -> Target:
+    """The target of a CUDA device: its SM count and the table the host uses there (:func:`.tuning.table_for`),
+    in the batch-invariant mode or not."""
     from ..launch import num_sms
 
-    return Target(num_sms(device_index), tuning.table_for(device_index))
+    return Target(num_sms(device_index), tuning.table_for(device_index), invariant)
 
 
 @dataclass(frozen=True)

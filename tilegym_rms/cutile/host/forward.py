@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from ...batch_invariance import is_batch_invariant
 from ...reference import CASTING_CODES
 from .. import config
 from . import common
@@ -21,8 +22,9 @@ ADD_NONE, ADD_MODES = 0, {"pre": 1, "post": 2}
 def config_for(tgt: Target, m: int, n: int, dtype: torch.dtype, kernel=None, op="forward") -> config.ForwardConfig:
     """The forward configuration for an ``(m, n)`` input: tiles from M's bucket (a new M compiles nothing
     new), the grid from the real M. ``op`` "fused_forward": the fused add's own table entry first (it moves
-    twice the bytes per row), then the plain forward's."""
-    cfg = config.forward_config(config.m_bucket(m), n, dtype, tgt.sms, kernel, tgt.table, op)
+    twice the bytes per row), then the plain forward's. In the batch-invariant mode: the gather kernel as
+    for one row."""
+    cfg = config.forward_config(config.m_bucket(m), n, dtype, tgt.sms, kernel, tgt.table, op, tgt.invariant)
     grid = m if cfg.kernel == "gather" else min(cfg.grid, config.cdiv(m, cfg.tile_m))
     return dataclasses.replace(cfg, grid=grid)
 
@@ -65,16 +67,19 @@ def start(fl: ForwardLaunch, x, residual, res_out, weight, eps, offset, dev: int
     return y, rstd
 
 
+# Keyed by the batch-invariant mode too (is_batch_invariant(), read at each call), which changes the launches.
 @functools.lru_cache(maxsize=4096)
-def cached_config(dev: int, m: int, n: int, dtype, kernel, op="forward") -> config.ForwardConfig:
-    return config_for(target(dev), m, n, dtype, kernel, op)
+def cached_config(dev: int, m: int, n: int, dtype, kernel, op="forward", invariant=False) -> config.ForwardConfig:
+    return config_for(target(dev, invariant), m, n, dtype, kernel, op)
 
 
 @functools.lru_cache(maxsize=4096)
-def cached_launch(dev: int, m, n, dtype, kernel, casting_mode, has_w, store_rstd, add) -> ForwardLaunch:
+def cached_launch(
+    dev: int, m, n, dtype, kernel, casting_mode, has_w, store_rstd, add, invariant=False
+) -> ForwardLaunch:
     # The fused add (both modes) looks up its own table entry, then the plain norm's (tuning.FALLBACK): cached
     # apart, since the two may differ.
-    return forward_launch(target(dev), m, n, dtype, kernel, casting_mode, has_w, store_rstd, add)
+    return forward_launch(target(dev, invariant), m, n, dtype, kernel, casting_mode, has_w, store_rstd, add)
 
 
 CACHES = (cached_config, cached_launch)
@@ -85,7 +90,8 @@ def forward(x, weight, eps, offset, casting_mode, *, store_rstd=True, kernel=Non
     :class:`tilegym_rms.dispatch.Backend`. ``kernel``: one of ``config.FORWARD_KERNELS``, None chooses."""
     m, n = x.shape
     dev = x.get_device()
-    fl = cached_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, ADD_NONE)
+    fl = cached_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, ADD_NONE,
+                       is_batch_invariant())  # fmt: skip
     y, rstd = start(fl, x, None, None, weight, eps, offset, dev, common.launcher())
     return y, (rstd if store_rstd else None)
 
@@ -101,7 +107,8 @@ def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, s
     res_out = residual_out if mode == "pre" else None
     m, n = x.shape
     dev = x.get_device()
-    fl = cached_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, ADD_MODES[mode])
+    fl = cached_launch(dev, m, n, x.dtype, kernel, casting_mode, weight is not None, store_rstd, ADD_MODES[mode],
+                       is_batch_invariant())  # fmt: skip
     y, rstd = start(fl, x, residual, res_out, weight, eps, offset, dev, common.launcher())
     return y, (res_out if mode == "pre" else y), (rstd if store_rstd else None)
 
@@ -109,4 +116,4 @@ def fused_add_forward(x, residual, weight, eps, offset, casting_mode, *, mode, s
 def forward_config(x: torch.Tensor, kernel: str | None = None) -> config.ForwardConfig:
     """The forward configuration the dispatcher picks for ``x`` (M, N); tests assert on it."""
     m, n = x.shape
-    return cached_config(common.device_index(x.device), m, n, x.dtype, kernel)
+    return cached_config(common.device_index(x.device), m, n, x.dtype, kernel, "forward", is_batch_invariant())

@@ -1,5 +1,6 @@
 """The QK-norm host (:class:`tilegym_rms.dispatch.QKNormBackend`): q and k in one launch forward, one backward
-and the dw reduction, on 3-D ``(G, H, D)`` views with a dense last dim."""
+and the dw reduction, on 3-D ``(G, H, D)`` views with a dense last dim; in the batch-invariant mode the plain
+norm's launches on each."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ...batch_invariance import is_batch_invariant
 from ...reference import CASTING_CODES
 from .. import config
 from . import common
-from .backward import reduce, reduce_launch
+from .backward import backward, reduce, reduce_launch
 from .common import Launch, Target, make_launch, plain, target, weight_arg
+from .forward import forward
 
 
 def config_for(tgt: Target, m_q: int, m_k: int, d: int, dtype: torch.dtype) -> config.QKConfig:
@@ -118,8 +121,32 @@ def _rows(q, k) -> tuple[int, int]:
     return q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]
 
 
+def _rows_of(t3: torch.Tensor) -> torch.Tensor:
+    """A ``(G, H, D)`` view as the ``(G * H, D)`` rows the plain norm takes (copied where no such view exists)."""
+    return t3.reshape(-1, t3.shape[2])
+
+
+def _invariant_forward(q, k, q_weight, k_weight, eps, offset, casting_mode):
+    """QK-norm in the batch-invariant mode: the plain norm's invariant launches on q's rows, then on k's. The qk
+    kernels size their row tiles by the row count and loop over them, so they would not serve."""
+    outs = []
+    for t, w in ((q, q_weight), (k, k_weight)):
+        y, rstd = forward(_rows_of(t), w, eps, offset, casting_mode)
+        outs += [y.view(t.shape), rstd.view(t.shape[:2])]
+    return outs[0], outs[2], outs[1], outs[3]
+
+
+def _invariant_backward(q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, casting_mode):
+    """The backward of :func:`_invariant_forward`."""
+    dq, dwq = backward(_rows_of(q), _rows_of(dq_out), q_weight, q_rstd.reshape(-1), offset, casting_mode)
+    dk, dwk = backward(_rows_of(k), _rows_of(dk_out), k_weight, k_rstd.reshape(-1), offset, casting_mode)
+    return dq.view(q.shape), dk.view(k.shape), dwq, dwk
+
+
 def qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode):
     """``(q_out, k_out, q_rstd, k_rstd)`` for 3-D views; see :class:`tilegym_rms.dispatch.QKNormBackend`."""
+    if is_batch_invariant():
+        return _invariant_forward(q, k, q_weight, k_weight, eps, offset, casting_mode)
     dev = q.get_device()
     fl = cached_forward(dev, *_rows(q, k), q.shape[2], q.dtype, casting_mode, q_weight is not None,
                         k_weight is not None)  # fmt: skip
@@ -128,6 +155,8 @@ def qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode):
 
 def qk_backward(q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, casting_mode):
     """``(dq, dk, dq_weight, dk_weight)``; see :class:`tilegym_rms.dispatch.QKNormBackend`."""
+    if is_batch_invariant():
+        return _invariant_backward(q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, casting_mode)
     del casting_mode  # the backward formula is the same for every casting mode
     dev = q.get_device()
     has_wq, has_wk = q_weight is not None, k_weight is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tilegym_rms.batch_invariance import is_batch_invariant
 from tilegym_rms.triton import config
 from tilegym_rms.triton import launch as _launch
 from tilegym_rms.triton.host.common import check_inputs, dense_rows, load_kernels
@@ -13,7 +14,7 @@ def backward_workspace_bytes(m: int, n: int, dtype: torch.dtype, device) -> int:
     """Bytes of the fp32 dw partial buffer (grid x N x 4) that :func:`backward` allocates with a weight."""
     if m == 0:
         return 0
-    tiles = config.choose_tiles(m, n, dtype, "backward")
+    tiles = config.choose_tiles(m, n, dtype, "backward", invariant=is_batch_invariant())
     return config.schedule(tiles, torch.device(device))[0] * n * 4
 
 
@@ -32,7 +33,7 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
     has_w = weight is not None
     k = load_kernels()
     rstd = rstd.to(torch.float32).contiguous()
-    tiles = config.choose_tiles(M, N, x.dtype, "backward")
+    tiles = config.choose_tiles(M, N, x.dtype, "backward", invariant=is_batch_invariant())
     grid, tasks_per_program = config.schedule(tiles, x.device)
     partitioned = tiles.path == "partitioned"
     if has_w:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from tilegym_rms.batch_invariance import is_batch_invariant
 from tilegym_rms.reference import CASTING_CODES, FUSED_ADD_MODES
 from tilegym_rms.triton import config
 from tilegym_rms.triton import launch as _launch
@@ -22,7 +23,7 @@ def _forward_impl(x, residual, weight, eps, offset, casting_mode, store_rstd, st
     res_out = torch.empty((M, N), dtype=x.dtype, device=x.device) if store_residual else y
     rstd = torch.empty((M,), dtype=torch.float32, device=x.device) if store_rstd else None
     k = load_kernels()
-    tiles = config.choose_tiles(M, N, x.dtype, op, path)
+    tiles = config.choose_tiles(M, N, x.dtype, op, path, is_batch_invariant())
     grid, tasks_per_program = config.schedule(tiles, x.device)
     has_res = residual is not None
     r = residual if has_res else x  # unused pointer when HAS_RESIDUAL is off
