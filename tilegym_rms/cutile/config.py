@@ -407,11 +407,14 @@ def invariant_backward_candidate(
     p = params or HEURISTICS
     one_row = table.lookup("backward", 1, n, dtype) if table is not None else None
     one_row = one_row or backward_candidate(1, n, dtype, num_sms, p)
-    if one_row.strategy == "direct":
-        return one_row
-    if next_pow2(n) <= p.bwd_max_single_tile_n:
-        return _direct_candidate(next_pow2(n), p)
-    return _direct_candidate(p.bwd_chunk_n, p, p.bwd_chunk_tile_m)
+    if one_row.strategy != "direct":
+        wide = next_pow2(n) > p.bwd_max_single_tile_n
+        one_row = (
+            _direct_candidate(p.bwd_chunk_n, p, p.bwd_chunk_tile_m) if wide else _direct_candidate(next_pow2(n), p)
+        )
+    # One row per tile: a row is then always the first of its tile. In a tile of several rows the compiler may
+    # reduce a row in another order depending on its place in the tile (PERFORMANCE.md, "Batch invariance").
+    return replace(one_row, tile_m=1)
 
 
 def _dw_per_row(cand: BackwardCandidate, m: int, p: Heuristics) -> bool:
