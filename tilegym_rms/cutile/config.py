@@ -389,12 +389,11 @@ def backward_candidate(
     )
 
 
-def _direct_candidate(tile_n: int, p: Heuristics, tile_m: int | None = None) -> BackwardCandidate:
+def _direct_candidate(tile_n: int, p: Heuristics) -> BackwardCandidate:
     """The direct strategy with ``tile_n`` columns per tile (the whole padded row, or a column chunk) and the
     persistent backward's hints for that width."""
     _, occupancy, warps = _persistent_class(tile_n, "bwd", p)
-    tile_m = tile_m or _tile_m(tile_n, p.bwd_narrow_tile_elems, p)
-    return BackwardCandidate("direct", tile_m, tile_n, 0, 0, occupancy, warps)
+    return BackwardCandidate("direct", _tile_m(tile_n, p.bwd_narrow_tile_elems, p), tile_n, 0, 0, occupancy, warps)
 
 
 def invariant_backward_candidate(
@@ -409,9 +408,7 @@ def invariant_backward_candidate(
     one_row = one_row or backward_candidate(1, n, dtype, num_sms, p)
     if one_row.strategy != "direct":
         wide = next_pow2(n) > p.bwd_max_single_tile_n
-        one_row = (
-            _direct_candidate(p.bwd_chunk_n, p, p.bwd_chunk_tile_m) if wide else _direct_candidate(next_pow2(n), p)
-        )
+        one_row = _direct_candidate(p.bwd_chunk_n if wide else next_pow2(n), p)
     # One row per tile: a row is then always the first of its tile. In a tile of several rows the compiler may
     # reduce a row in another order depending on its place in the tile (PERFORMANCE.md, "Batch invariance").
     return replace(one_row, tile_m=1)
