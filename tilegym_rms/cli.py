@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .dispatch import available_backends, resolve_backend
+from .dispatch import available_backends, default_device, resolve_backend
 from .ops import rms_norm_backward, rms_norm_forward
 from .testing import chunked_errors
 
@@ -97,7 +97,7 @@ def _check_one(backend: str, device: torch.device, dtype: torch.dtype, m: int, n
 
 def check(m: int = 4096, n: int = 4096) -> int:
     """The main job: backends, a correctness run against float64, and a quick timing on a GPU."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = default_device()
     print(
         f"tilegym_rms {__version__}, torch {torch.__version__}, device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")

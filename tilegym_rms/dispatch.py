@@ -116,11 +116,16 @@ def check_backend_name(name: str, source: str = "") -> None:
 _EXTENSION_DEVICES = {"npu": "torch_npu is not installed (pip install 'tilegym_rms[ascend]')"}
 
 
+def default_device() -> torch.device:
+    """The current CUDA device where CUDA is available, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def available_backends(device=None) -> dict[str, tuple[bool, str]]:
-    """For each backend: whether it can run on ``device`` (default: the current CUDA device, else
-    the CPU), and if not, why."""
+    """For each backend: whether it can run on ``device`` (default: :func:`default_device`), and if not,
+    why."""
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = default_device()
     try:
         device = torch.device(device)
     except RuntimeError:
