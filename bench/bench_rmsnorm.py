@@ -72,7 +72,8 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              sync at the end; M in {1, 8, 64, 512}, N = 4096, bf16; ops forward and full; microseconds.
   ascend-rs  the ascend-rs suite: (M, N) in (1,768) (1,4096) (64,768) (64,4096) (1024,4096), fp32,
              ops forward and full.
-  large      large hidden sizes: N in {32768, 65536, 131072, 262144} at M = 4096, bf16, ops forward, full.
+  large      large hidden sizes: N in {32768, 65536, 131072, 262144} at M = 4096, bf16, ops forward, full;
+             default providers add quack.
   fused_add  residual add fused with RMSNorm, mode "pre": (y, s) = provider(x, r, w), s = x + r,
              y = rms_norm(s); M in {4096, 32768} x N in {2048, 4096, 5120, 8192}, bf16. Two ops:
              fused_add_fwd  under torch.no_grad(); traffic = read x, r, w + write y, s, rstd (M fp32).
@@ -95,7 +96,7 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
 providers: tilegym_rms-cutile, tilegym_rms-triton (those available_backends() says can run), torch
 (eager F.rms_norm), torch.compile (Llama-style fp32 RMSNorm, dynamic=False), liger (LigerRMSNormFunction,
 casting 'llama', in_place False), tilegym (tilegym.ops.cutile.rms_norm); tilegym_rms-torch on request; quack
-(quack.rmsnorm.rmsnorm(x, w, eps=eps)) by default with heldout, else on request.
+(quack.rmsnorm.rmsnorm(x, w, eps=eps)) by default with heldout and large, else on request.
 fused_add providers: tilegym_rms-cutile, tilegym_rms-triton (tilegym_rms.fused_add_rms_norm, mode "pre"),
 tilegym_rms-unfused (x + r, then tilegym_rms.rms_norm), torch (eager x + r, F.rms_norm), torch.compile (of
 that function), liger (LigerFusedAddRMSNormFunction), quack (quack.rmsnorm.rmsnorm, residual=r,
@@ -226,7 +227,8 @@ def split_providers(args: argparse.Namespace) -> None:
         args.fused_providers = list(args.providers) if fused else []
         args.qk_providers = list(args.providers) if qk else []
     else:
-        rms_default = base.HELDOUT_PROVIDERS_DEFAULT if "heldout" in rms else base.PROVIDERS_DEFAULT
+        with_quack = any(m in base.QUACK_BY_DEFAULT for m in rms)
+        rms_default = base.HELDOUT_PROVIDERS_DEFAULT if with_quack else base.PROVIDERS_DEFAULT
         args.rms_providers = list(rms_default) if rms else []
         args.fused_providers = list(base.FUSED_ADD_PROVIDERS_DEFAULT) if fused else []
         args.qk_providers = list(base.QK_PROVIDERS_DEFAULT) if qk else []

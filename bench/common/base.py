@@ -63,8 +63,10 @@ FUSED_ADD_PROVIDERS_DEFAULT = (
     "quack",
 )
 
-# The held-out shapes run beside quack too; it is skipped, with the reason, where it does not import.
+# The held-out shapes and the large hidden sizes run beside quack too (it publishes its wide-row bandwidth); it
+# is skipped, with the reason, where it does not import.
 HELDOUT_PROVIDERS_DEFAULT = PROVIDERS_DEFAULT + ("quack",)
+QUACK_BY_DEFAULT = ("heldout", "large")
 
 # QK-norm (bench_rmsnorm.py --measure qk_norm): q of M rows in QK_HEADS[0] heads, k in QK_HEADS[1] (GQA).
 QK_HEADS = (16, 4)

@@ -339,6 +339,7 @@ def test_heldout_measure_plans_exactly_the_heldout_shapes(capsys):
         ]
         assert all(configs == expected for *_, configs in steps)
     assert "quack" in args.rms_providers and "quack" not in _heldout_plan(["--measure", "forward"])[0].rms_providers
+    assert "quack" in _heldout_plan(["--measure", "large"])[0].rms_providers
     for l2 in (50 * 2**20, 60 * 2**20):  # H100, H200
         for _, op, _, configs in steps:
             for dtype, m, n in configs:
@@ -347,7 +348,7 @@ def test_heldout_measure_plans_exactly_the_heldout_shapes(capsys):
                 assert not capped and sets * one > base.L2_FACTOR * l2 and (sets - 1) * one <= base.L2_FACTOR * l2
     assert bench_rmsnorm.main(["--measure", "heldout", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "bf16 M=12345 N=12288" in out and "fp16 M=2000000 N=64" in out and "total configurations: 45" in out
+    assert "bf16 M=2500 N=16384" in out and "fp16 M=700001 N=128" in out and "total configurations: 48" in out
 
 
 def test_heldout_measure_writes_its_own_file(tmp_path, monkeypatch, capsys):
