@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from bench.common import base, cli_args
+from bench.common import base, cli_args, traffic
 from bench.common.session import grid_configs, grid_label, start_session
 
 KERNEL_NAME = "rms_norm"
@@ -44,7 +44,7 @@ QK_NORM_M = tuple(1 << e for e in range(14, 23, 2))
 QK_NORM_N = (64, 128, 256)
 QUICK_QK_NORM_M = (1 << 16, 1 << 20)
 QUICK_QK_NORM_N = (128,)
-QK_NORM_OPS = ("qk_fwd", "qk_bwd")
+QK_NORM_OPS = traffic.QK_OPS  # forward and backward on each layout of q and k
 # The measures with an M x N grid of their own: (dtype, M, N, quick M, quick N, ops).
 OWN_GRIDS = {
     "fused_add": (FUSED_ADD_DTYPE, FUSED_ADD_M, FUSED_ADD_N, QUICK_FUSED_ADD_M, QUICK_FUSED_ADD_N, FUSED_ADD_OPS),
@@ -80,12 +80,16 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              fused_add_bwd  the forward graph is built OUTSIDE the timed region; the timed call is
                             torch.autograd.grad((y, s), (x, r, w), (dy, ds), retain_graph=True);
                             traffic = read dy, ds, s, w, rstd (M fp32) + write dx (= dr), dw.
-  qk_norm    QK-norm: (q_out, k_out) = provider(q, k, wq, wk), q of M rows as (M/16, 16 heads, N), k of M/4
-             rows (4 heads); M in {2^14, 2^16, ..., 2^22} x head dim N in {64, 128, 256}, bf16. Two ops:
+  qk_norm    QK-norm: (q_out, k_out) = provider(q, k, wq, wk), q of M rows in 16 heads, k of M/4 rows (4
+             heads); M in {2^14, 2^16, ..., 2^22} x head dim N in {64, 128, 256}, bf16. Two ops per layout:
              qk_fwd  under torch.no_grad(); traffic = the forward of q and of k (read x, w; write y).
              qk_bwd  the forward graph is built OUTSIDE the timed region; the timed call is
                      torch.autograd.grad((yq, yk), (q, k, wq, wk), (dyq, dyk), retain_graph=True);
                      traffic = the backward of q and of k (read x, dy, w, rstd; write dx, dw).
+             layouts (op suffix): none, separate q_proj / k_proj outputs (tokens, heads, N), gradients
+             contiguous; _transposed, their (B, H, S, N) transposes, gradients contiguous (B, H, S, N);
+             _qkv, the q and k slices of one fused qkv projection (B, S, H, N), gradients as autograd hands
+             them back from a .transpose(1, 2) consumer (a (B, H, S, N) tensor, transposed). B = 2.
   heldout    the held-out shapes: forward, backward and full (as above) on exactly the (M, N, dtype)
              shapes of bench/heldout.json, which no tuning run may use (--dtype/--M/--N do not apply);
              default providers add quack. Written to <out>/heldout.json, not rms_norm.json;
@@ -102,7 +106,8 @@ tilegym_rms-unfused (x + r, then tilegym_rms.rms_norm), torch (eager x + r, F.rm
 that function), liger (LigerFusedAddRMSNormFunction), quack (quack.rmsnorm.rmsnorm, residual=r,
 prenorm=True); tilegym_rms-torch on request. --providers applies to both lists.
 qk_norm providers: tilegym_rms-cutile (tilegym_rms.qk_rms_norm, one launch each way), and each of torch,
-torch.compile and liger called on q and on k; tilegym_rms-triton / -torch on request.
+torch.compile, liger and quack (quack.rmsnorm.rmsnorm(x, w, eps=eps) on q's and k's rows, reshaped to 2-D;
+skipped where it does not import) called on q and on k; tilegym_rms-triton / -torch on request.
 """
 
 EPILOG = """\
@@ -212,8 +217,10 @@ TITLES = {
 OP_TITLES = {
     "fused_add_fwd": "forward",
     "fused_add_bwd": "backward (autograd)",
-    "qk_fwd": "forward",
-    "qk_bwd": "backward (autograd)",
+    **{
+        op: ("forward" if op.startswith("qk_fwd") else "backward (autograd)") + f", {traffic.qk_op_parts(op)[1]}"
+        for op in traffic.QK_OPS
+    },
 }
 
 

@@ -157,8 +157,8 @@ def _host_call(cutile, op, m, n, dtype):
         cutile.backward(x, x, w, rstd, 0.0, DEFAULT_CASTING_MODE)
         cutile.fused_add_backward(x, x, x, w, rstd, 0.0, DEFAULT_CASTING_MODE)
     else:
-        tokens = build.qk_sweep_tokens(m)
-        q, k = (_meta(dtype, tokens, heads, n) for heads in build.QK_SWEEP_HEADS)
+        tokens = build.qk_sweep_tokens(m)  # dense (tokens, heads, n) tensors, viewed as ops views them
+        q, k = (_meta(dtype, 1, 1, tokens * heads, n) for heads in build.QK_SWEEP_HEADS)
         _, _, rq, rk = cutile.qk_forward(q, k, w, w, 1e-6, 0.0, DEFAULT_CASTING_MODE)
         cutile.qk_backward(q, k, q, k, w, w, rq, rk, 0.0, DEFAULT_CASTING_MODE)
 

@@ -140,15 +140,16 @@ def cutile_backward_launch(n, dtype):
 
 
 def cutile_qk_launch(d, dtype):
-    """The default qk kernels' configuration for M tokens and whether the rows of q's and k's qkv slices are tiled
-    along the heads (fewer tokens than heads, see cutile.host.qk._tile_rows_along_dim0); then the mode's plain
-    norm launches on q's rows and on k's."""
+    """The default qk kernels' configurations for M tokens, q and k dense (one run of rows) and as qkv slices
+    (tokens x heads: their tiles split along both, see cutile.config.qk_tile_split); then the mode's plain norm
+    launches on q's rows and on k's."""
     on, invariant = _targets()
     fwd, bwd = cutile_forward_launch(d, dtype), cutile_backward_launch(d, dtype)
 
     def launch(m):
         rows_q, rows_k = m * QK_HEADS[0], m * QK_HEADS[1]
-        default = _no_grid(cutile_qk.config_for(on, rows_q, rows_k, d, dtype)), m < QK_HEADS[0], m < QK_HEADS[1]
+        dense, sliced = ((1, 1, rows_q), (1, 1, rows_k)), ((1, m, QK_HEADS[0]), (1, m, QK_HEADS[1]))
+        default = tuple(_no_grid(cutile_qk.config_for(on, *shapes, d, dtype)) for shapes in (dense, sliced))
         return default, *(f(rows)[1] for rows in (rows_q, rows_k) for f in (fwd, bwd))
 
     return launch

@@ -264,7 +264,7 @@ def test_split_row_is_exact_for_common_widths_and_never_wider_than_padding():
 @pytest.mark.parametrize("m_k", [1, 100, 4096, 1 << 18, 1 << 22])
 def test_qk_config_invariants(d, m_k):
     m_q = 4 * m_k  # GQA
-    c = config.qk_config(m_q, m_k, d, BF16, SMS)
+    c = config.qk_config((1, 1, m_q), (1, 1, m_k), d, BF16, SMS)
     assert c.tile_n == config.next_pow2(d) >= d
     for tile_m, grid, elems, blocks in (
         (c.fwd_tile_m, c.fwd_grid, config.HEURISTICS.qk_fwd_tile_elems, config.HEURISTICS.qk_fwd_blocks_per_sm),
@@ -277,27 +277,29 @@ def test_qk_config_invariants(d, m_k):
         tiles = config.cdiv(m_q, tile_m) + config.cdiv(m_k, tile_m)
         assert 1 <= grid <= min(tiles, SMS * blocks)  # never an idle block, never more than the SMs hold
     assert dict(c.fwd_hints) == {"occupancy": config.HEURISTICS.qk_fwd_occupancy}
+    assert c.fwd_tiles == ((1, c.fwd_tile_m),) * 2 and c.bwd_tiles == ((1, c.bwd_tile_m),) * 2  # dense: one run
 
 
 def test_qk_tiles_are_large_at_many_rows_and_shrink_to_fill_the_sms_at_few():
-    many = config.qk_config(1 << 22, 1 << 20, 128, BF16, SMS)
+    many = config.qk_config((1, 1, 1 << 22), (1, 1, 1 << 20), 128, BF16, SMS)
     assert (
         many.fwd_tile_m == config.HEURISTICS.qk_fwd_tile_elems // 128
         and many.bwd_tile_m == config.HEURISTICS.qk_bwd_tile_elems // 128
     )
     assert many.fwd_grid == SMS * config.HEURISTICS.qk_fwd_blocks_per_sm
-    few = config.qk_config(8192, 2048, 128, BF16, SMS)
+    few = config.qk_config((1, 1, 8192), (1, 1, 2048), 128, BF16, SMS)
     assert few.fwd_tile_m < many.fwd_tile_m and config.cdiv(8192 + 2048, few.fwd_tile_m) >= SMS // 2
 
 
 def test_qk_tiles_depend_on_the_rows_bucket_only():
-    a, b = config.qk_config(40000, 10000, 128, BF16, SMS), config.qk_config(50000, 12000, 128, BF16, SMS)
+    a = config.qk_config((1, 1, 40000), (1, 1, 10000), 128, BF16, SMS)
+    b = config.qk_config((1, 1, 50000), (1, 1, 12000), 128, BF16, SMS)
     assert (a.fwd_tile_m, a.bwd_tile_m, a.tile_n) == (b.fwd_tile_m, b.bwd_tile_m, b.tile_n)
 
 
 def test_qk_config_rejects_head_dims_wider_than_one_tile():
     with pytest.raises(ValueError, match="head dims of at most 1024"):
-        config.qk_config(64, 64, 2048, BF16, SMS)
+        config.qk_config((1, 1, 64), (1, 1, 64), 2048, BF16, SMS)
 
 
 # qk_config before the table could decide (commit 6adf6ae, 132 SMs): (m_q, m_k, D) -> QKConfig fields.
@@ -312,18 +314,52 @@ QK_BEFORE_THE_TABLE = {
 @pytest.mark.parametrize("shape", list(QK_BEFORE_THE_TABLE))
 def test_qk_config_without_a_table_entry_is_the_heuristics_of_before(shape):
     m_q, m_k, d = shape
-    got = config.qk_config(m_q, m_k, d, BF16, SMS)
-    assert tuple(got.__dict__.values()) == QK_BEFORE_THE_TABLE[shape]
-    assert config.qk_config(m_q, m_k, d, BF16, SMS, config.qk_candidate(m_q + m_k, d, BF16, SMS)) == got
+    dense = (1, 1, m_q), (1, 1, m_k)  # the dense layouts keep the one-run tiles of before
+    got = config.qk_config(*dense, d, BF16, SMS)
+    assert tuple(got.__dict__.values())[:7] == QK_BEFORE_THE_TABLE[shape]
+    assert config.qk_config(*dense, d, BF16, SMS, config.qk_candidate(m_q + m_k, d, BF16, SMS)) == got
+
+
+@pytest.mark.parametrize(
+    "rows,g,h,split",
+    [
+        (64, 1, 1 << 20, (1, 64)),  # one run (dense): the plain row tile
+        (64, 8192, 32, (4, 16)),  # qkv slice, 32 heads: qk_tile_h heads of 4 tokens
+        (64, 8192, 8, (8, 8)),  # 8 heads: all of a token's heads, never padded to 16
+        (64, 8192, 40, (8, 8)),  # 40 heads: 5 tiles of 8 per token, not 64 with 24 empty
+        (64, 8192, 28, (16, 4)),  # 28 heads: 7 tiles of 4
+        (64, 8192, 1, (64, 1)),  # one head: a run of tokens
+        (16, 7, 32, (1, 16)),  # 7 tokens: no tile padded along the tokens
+        (64, 3, 20480, (1, 64)),  # batches with gaps between them: rows of one batch
+    ],
+)
+def test_qk_tile_split_pads_little_and_prefers_qk_tile_h_heads(rows, g, h, split):
+    tg, th = config.qk_tile_split(rows, g, h)
+    assert (tg, th) == split and tg * th == rows
+
+
+def test_qk_config_splits_each_tensors_tiles_and_counts_its_tiles():
+    q_shape, k_shape = (2, 1000, 40), (2, 1000, 8)  # a gradient of three runs: batch, tokens, heads
+    c = config.qk_config(q_shape, k_shape, 128, BF16, SMS)
+    assert c.bwd_tiles == tuple(config.qk_tile_split(c.bwd_tile_m, g, h) for _, g, h in (q_shape, k_shape))
+    tiles = sum(
+        a * config.cdiv(g, tg) * config.cdiv(h, th)
+        for (a, g, h), (tg, th) in zip((q_shape, k_shape), c.bwd_tiles, strict=True)
+    )
+    assert c.bwd_grid == min(tiles, SMS * config.HEURISTICS.qk_bwd_blocks_per_sm)
+    few = config.qk_config((3, 2, 40), (3, 2, 8), 128, BF16, SMS)  # few tiles: one block each, never an idle one
+    assert few.fwd_grid == sum(
+        3 * config.cdiv(2, tg) * config.cdiv(h, th) for (tg, th), h in zip(few.fwd_tiles, (40, 8), strict=True)
+    )
 
 
 def test_qk_config_follows_a_table_entry():
     entry = config.QKCandidate(fwd_tile_m=64, bwd_tile_m=8, fwd_blocks_per_sm=1, bwd_blocks_per_sm=4, fwd_occupancy=0,
                                bwd_occupancy=3)  # fmt: skip
-    c = config.qk_config(838860, 209715, 256, BF16, SMS, entry)
+    c = config.qk_config((1, 1, 838860), (1, 1, 209715), 256, BF16, SMS, entry)
     assert (c.tile_n, c.fwd_tile_m, c.bwd_tile_m, c.fwd_grid, c.bwd_grid) == (256, 64, 8, SMS, 4 * SMS)
     assert c.fwd_hints == () and c.bwd_hints == (("occupancy", 3),)
-    few = config.qk_config(48, 12, 96, BF16, SMS, entry)  # never more blocks than row tiles
+    few = config.qk_config((1, 1, 48), (1, 1, 12), 96, BF16, SMS, entry)  # never more blocks than row tiles
     assert (few.fwd_grid, few.bwd_grid) == (1 + 1, 6 + 2)
 
 

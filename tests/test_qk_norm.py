@@ -95,14 +95,144 @@ def test_a_transposed_input_gives_a_transposed_output_of_the_projection_layout()
     assert yq.is_contiguous()  # the slice's gaps are not kept
 
 
+# The (A, G, H) views the backend's qk kernels get, by input layout (a head count h): one run of rows for dense
+# tensors, tokens x heads for fused qkv slices, batches x (tokens x heads) for rows with gaps between batches.
+VIEW_SHAPES = {
+    "contiguous": lambda h: (1, 1, B * S * h),
+    "transposed": lambda h: (1, 1, B * S * h),
+    "qkv_slice": lambda h: (1, B * S, h),
+    "qkv_slice_transposed": lambda h: (1, B * S, h),
+    "batch_gap": lambda h: (1, B, S * h),
+    "needs_copy": lambda h: (1, 1, B * S * h),
+}
+
+
+def _gradient(name, x):
+    """An output gradient for ``x`` (logical shape as x) in a layout autograd hands back: dense like the forward
+    output (``like_output``), contiguous in x's logical dims, or ``transposed_back``: from a consumer of
+    ``y.transpose(1, 2)`` whose gradient is a contiguous ``(B, H, S, D)`` tensor (HF attention after QK-norm)."""
+    if name == "like_output":
+        return qk_ops._empty_in_order(x).copy_(torch.randn(x.shape, dtype=x.dtype))
+    if name == "contiguous":
+        return torch.randn(x.shape, dtype=x.dtype)
+    assert name == "transposed_back"
+    return torch.randn(x.transpose(1, 2).shape, dtype=x.dtype).transpose(1, 2)
+
+
+# (q layout, gradient layout) -> the backward's (A, G, H) by head count: the gradient transposed back from
+# (B, H, S, D), or contiguous beside a transposed q, has three runs (batch, tokens, heads): read in place too.
+BACKWARD_VIEW_SHAPES = {
+    ("contiguous", "like_output"): lambda h: (1, 1, B * S * h),
+    ("contiguous", "contiguous"): lambda h: (1, 1, B * S * h),
+    ("contiguous", "transposed_back"): lambda h: (B, S, h),
+    ("transposed", "like_output"): lambda h: (1, 1, B * S * h),
+    ("transposed", "contiguous"): lambda h: (B, S, h),
+    ("qkv_slice", "like_output"): lambda h: (1, B * S, h),
+    ("qkv_slice", "contiguous"): lambda h: (1, B * S, h),
+    ("qkv_slice", "transposed_back"): lambda h: (B, S, h),
+    ("qkv_slice_transposed", "contiguous"): lambda h: (B, S, h),
+    ("batch_gap", "like_output"): lambda h: (1, B, S * h),
+    ("batch_gap", "transposed_back"): lambda h: (B, S, h),
+}
+
+
+class _RecordingQKBackend:
+    """A backend with the qk capability that records the views it gets and computes with the reference on them
+    (outputs contiguous ``(A, G, H, D)``, as the protocol asks)."""
+
+    SUPPORTED_DTYPES = (torch.float32, torch.float64)
+
+    def __init__(self):
+        self.calls = []
+
+    def qk_forward(self, q, k, q_weight, k_weight, eps, offset, casting_mode):
+        self.calls.append(("forward", q, k))
+        (yq, rq), (yk, rk) = (reference.rms_norm_forward(t, w, eps, offset, casting_mode) for t, w in
+                              ((q, q_weight), (k, k_weight)))  # fmt: skip
+        return yq.contiguous(), yk.contiguous(), rq.contiguous(), rk.contiguous()
+
+    def qk_backward(self, q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, casting_mode):
+        self.calls.append(("backward", q, k, dq_out, dk_out, q_rstd, k_rstd))
+        (dq, dwq), (dk, dwk) = (reference.rms_norm_backward(t, dy, w, r, offset) for t, dy, w, r in
+                                ((q, dq_out, q_weight, q_rstd), (k, dk_out, k_weight, k_rstd)))  # fmt: skip
+        return dq.contiguous(), dk.contiguous(), dwq, dwk
+
+
+@pytest.fixture
+def recording_backend(monkeypatch):
+    backend = _RecordingQKBackend()
+    monkeypatch.setattr(qk_ops, "_backend", lambda x, name: backend)
+    return backend
+
+
+def _assert_view_of(view, t, shape, like=None):
+    """``view`` is the ``(A, G, H, D)`` view of ``shape`` over ``t``'s own memory, its rows in the stride order
+    of ``like`` (default ``t``: a gradient's rows follow its input's)."""
+    d, order = t.shape[-1], qk_ops._stride_order(t if like is None else like)
+    assert tuple(view.shape) == (*shape, d) and view.stride(3) == 1
+    assert view.data_ptr() == t.data_ptr()
+    assert torch.equal(view.reshape(-1, d), qk_ops._in_order(t, order).reshape(-1, d))
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_heads_view_reads_in_place_where_a_3d_view_exists(layout):
-    q, _ = _layout(layout, 16)
-    qo = qk_ops._in_order(q, qk_ops._stride_order(q))
-    q3 = qk_ops._heads(qo)
-    assert q3.dim() == 3 and q3.stride(2) == 1 and qk_ops._rows_apart(q3)
-    assert (q3.data_ptr() == q.data_ptr()) == (layout in IN_PLACE_LAYOUTS)
-    assert torch.equal(q3.reshape(-1, 16), qo.reshape(-1, 16))  # rows in the stride order
+def test_forward_hands_the_backend_views_of_the_inputs_own_memory(recording_backend, layout):
+    q, k = _layout(layout, 16)
+    wq, wk = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    yq, yk = tilegym_rms.qk_rms_norm(q, k, wq, wk)
+    ((_, q4, k4),) = recording_backend.calls
+    for x, view, h in ((q, q4, HQ), (k, k4, HK)):
+        shape = VIEW_SHAPES[layout](h)
+        if layout == "needs_copy":  # a head dim read with stride 2: copied once, dense
+            assert view.data_ptr() != x.data_ptr() and view.is_contiguous() and tuple(view.shape[:3]) == shape
+        else:
+            _assert_view_of(view, x, shape)
+    assert rel_err(yq, _fp64_norm(q, wq, 1e-6)) <= 1e-12 and rel_err(yk, _fp64_norm(k, wk, 1e-6)) <= 1e-12
+    assert _dense_in_stride_order(yq, q) and _dense_in_stride_order(yk, k)
+
+
+@pytest.mark.parametrize("layout,grad", list(BACKWARD_VIEW_SHAPES))
+def test_backward_hands_the_backend_views_of_the_gradients_own_memory(recording_backend, layout, grad):
+    q, k = _layout(layout, 16)
+    wq, wk = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    _, _, rq, rk = qk_ops._qk_forward(q, k, wq, wk, 1e-6, 0.0, "llama", "cutile")
+    dyq, dyk = _gradient(grad, q), _gradient(grad, k)
+    dq, dk, dwq, dwk = qk_ops._qk_backward(q, k, dyq, dyk, wq, wk, rq, rk, 0.0, "llama", "cutile")
+    _, q4, k4, dq4, dk4, rq3, rk3 = recording_backend.calls[-1]
+    for x, dy, view, dview, r, h in ((q, dyq, q4, dq4, rq3, HQ), (k, dyk, k4, dk4, rk3, HK)):
+        shape = BACKWARD_VIEW_SHAPES[layout, grad](h)
+        _assert_view_of(view, x, shape)
+        _assert_view_of(dview, dy, shape, like=x)
+        assert tuple(r.shape) == shape and r.is_contiguous()
+    for x, dy, w, dx, dw in ((q, dyq, wq, dq, dwq), (k, dyk, wk, dk, dwk)):
+        ref_dx, ref_dw = reference.rms_norm_backward(x, dy, w, reference.rms_norm_forward(x, w, 1e-6)[1])
+        assert rel_err(dx, ref_dx) <= 1e-12 and rel_err(dw, ref_dw) <= 1e-12 and _dense_in_stride_order(dx, x)
+
+
+def test_autograd_hands_the_backend_the_gradient_of_a_transposing_consumer_in_place(recording_backend):
+    """HF attention: q_norm on the (B, S, H, D) projection view, then ``.transpose(1, 2)`` into (B, H, S, D)
+    math; the gradient comes back (B, H, S, D)-contiguous, transposed: read as (B, S, H, D) without a copy."""
+    q, k = (t.detach().requires_grad_() for t in _layout("qkv_slice", 16))
+    yq, yk = tilegym_rms.qk_rms_norm(q, k)
+    cq, ck = torch.randn(B, HQ, S, 16, dtype=torch.float64), torch.randn(B, HK, S, 16, dtype=torch.float64)
+    ((yq.transpose(1, 2) * cq).sum() + (yk.transpose(1, 2) * ck).sum()).backward()
+    _, _, _, dq4, dk4, _, _ = recording_backend.calls[-1]
+    for view, c in ((dq4, cq), (dk4, ck)):
+        assert view.shape == (B, S, c.shape[1], 16) and view.stride() == c.transpose(1, 2).stride()
+    ref_q = torch.autograd.grad((tilegym_rms.rms_norm(q, None).transpose(1, 2) * cq).sum(), q)[0]
+    assert rel_err(q.grad, ref_q) <= 1e-12
+
+
+def test_views_copy_only_layouts_of_more_than_three_runs():
+    x = torch.randn(3, 4, 5, 6, 8)[:, :3, :4, :5]  # four strided leading dims
+    (view,), shape = qk_ops._qk_views([x])
+    assert shape == (1, 1, 3 * 3 * 4 * 5) and view.data_ptr() != x.data_ptr()
+    assert torch.equal(view.reshape(-1, 8), x.reshape(-1, 8))
+    three = torch.randn(3, 4, 5, 8)[:, :3, :4]
+    (view,), shape = qk_ops._qk_views([three])
+    assert shape == (3, 3, 4) and view.data_ptr() == three.data_ptr()
+    broadcast = torch.randn(8).expand(2, 3, 4, 8)  # a broadcast gradient: rows overlap, copied
+    (_, view), shape = qk_ops._qk_views([torch.randn(2, 3, 4, 8), broadcast])
+    assert shape == (1, 1, 24) and view.is_contiguous() and torch.equal(view.reshape(-1, 8), broadcast.reshape(-1, 8))
 
 
 def test_rows_apart_rejects_overlapping_and_gathered_rows():
@@ -258,14 +388,14 @@ def _emulated_launch(calls):
         kernel = kernel_name(kernel)
         calls.append(kernel)
         if kernel == "qk_rms_norm_fwd":
-            q, k, wq, wk, yq, yk, rq, rk, eps, offset, _tm, _tn, cast, has_wq, has_wk = args
+            q, k, wq, wk, yq, yk, rq, rk, eps, offset, *_tiles, _tn, cast, has_wq, has_wk = args
             mode = reference.KERNEL_CASTING_MODES[cast]
             for x, w, has, y, r in ((q, wq, has_wq, yq, rq), (k, wk, has_wk, yk, rk)):
                 out, rstd = reference.rms_norm_forward(x, w if has else None, eps, offset, mode)
                 y.copy_(out)
                 r.copy_(rstd)
         elif kernel == "qk_rms_norm_bwd":
-            dyq, dyk, q, k, wq, wk, rq, rk, dq, dk, partial, offset, _tm, _tn, has_wq, has_wk = args
+            dyq, dyk, q, k, wq, wk, rq, rk, dq, dk, partial, offset, *_tiles, _tn, has_wq, has_wk = args
             assert partial.shape[0] == grid[0] or not (has_wq or has_wk)
             for slot, (dy, x, w, has, r, dx) in enumerate(((dyq, q, wq, has_wq, rq, dq), (dyk, k, wk, has_wk, rk, dk))):
                 grad, dw = reference.rms_norm_backward(x, dy, w if has else None, r, offset)
@@ -338,3 +468,35 @@ def test_cutile_backward_op_returns_no_aliased_outputs(monkeypatch):
     for x, w, dy, dx, dw in ((q, wq, dyq, dq, dwq), (k, wk, dyk, dk, dwk)):
         ref_dx, ref_dw = reference.rms_norm_backward(x, dy, w, reference.rms_norm_forward(x, w, 1e-6)[1])
         assert rel_err(dx, ref_dx) <= 1e-6 and rel_err(dw, ref_dw) <= 1e-5
+
+
+@pytest.mark.parametrize("layout,grad", [("qkv_slice", "transposed_back"), ("contiguous", "like_output")])
+def test_cutile_host_launches_on_the_views_with_tiles_split_by_their_shape(monkeypatch, layout, grad):
+    """The qk kernels get the 4-D views themselves (the gradient's memory, no copy) and tiles of the configured
+    rows split along G and H for each tensor's own shape (config.qk_tile_split)."""
+    from tilegym_rms.cutile import config
+    from tilegym_rms.cutile.host import common
+
+    cutile, calls = _emulate_cutile(monkeypatch)
+    emulated = _emulated_launch(calls)
+    launched = []
+    monkeypatch.setattr(common, "launcher", lambda: lambda *a: launched.append(a) or emulated(*a))
+    q, k = _layout(layout, 16, torch.float32)
+    dyq, dyk = _gradient(grad, q), _gradient(grad, k)
+    try:
+        _, _, rq, rk = qk_ops._qk_forward(q, k, None, None, 1e-6, 0.0, "llama", "cutile")
+        dq, dk, _, _ = qk_ops._qk_backward(q, k, dyq, dyk, None, None, rq, rk, 0.0, "llama", "cutile")
+    finally:
+        cutile.clear_caches()
+    (_, _, fwd_args, *_), (_, _, bwd_args, *_) = launched
+    shapes = [BACKWARD_VIEW_SHAPES[layout, grad](h) for h in (HQ, HK)]
+    cfg = config.qk_config(*shapes, 16, torch.float32, 4)
+    assert bwd_args[0].data_ptr() == dyq.data_ptr() and bwd_args[1].data_ptr() == dyk.data_ptr()
+    assert [tuple(t.shape[:3]) for t in bwd_args[:4]] == shapes * 2
+    assert bwd_args[12:16] == (*cfg.bwd_tiles[0], *cfg.bwd_tiles[1])
+    for (tg, th), (_, g, h) in zip(cfg.bwd_tiles, shapes, strict=True):
+        assert (tg, th) == config.qk_tile_split(cfg.bwd_tile_m, g, h)
+    assert fwd_args[0].data_ptr() == q.data_ptr() and fwd_args[1].data_ptr() == k.data_ptr()
+    for x, dy, dx in ((q, dyq, dq), (k, dyk, dk)):
+        ref_dx, _ = reference.rms_norm_backward(x, dy, None, reference.rms_norm_forward(x, None, 1e-6)[1])
+        assert rel_err(dx, ref_dx) <= 1e-6

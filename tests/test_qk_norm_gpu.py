@@ -11,6 +11,7 @@ from test_cutile_gpu import DW_TOL, Y_TOL, _quiet_experimental_and_release_memor
 
 import tilegym_rms
 from tilegym_rms import reference
+from tilegym_rms.ops import qk as qk_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -32,12 +33,24 @@ def _layout(name, b, s, d, dtype, hq=HQ, hk=HK, seed=0):
     return (q, k) if name == "contiguous" else (q.transpose(1, 2), k.transpose(1, 2))
 
 
-def _check(q, k, *, weight=True, offset=0.0, casting_mode="llama", eps=1e-6, compiled=False):
+def _gradient(name, x):
+    """An output gradient for ``x`` as autograd hands it back: contiguous in x's dims, dense like the forward
+    output (``like_output``: in x's memory order), or ``transposed_back`` from a consumer of ``y.transpose(1, 2)``
+    (HF attention after QK-norm: a contiguous ``(B, H, S, D)`` gradient, transposed)."""
+    if name == "contiguous":
+        return torch.randn(x.shape, dtype=x.dtype, device=x.device)
+    if name == "like_output":
+        return qk_ops._empty_in_order(x).copy_(torch.randn(x.shape, dtype=x.dtype, device=x.device))
+    assert name == "transposed_back"
+    return torch.randn(x.transpose(1, 2).shape, dtype=x.dtype, device=x.device).transpose(1, 2)
+
+
+def _check(q, k, *, weight=True, offset=0.0, casting_mode="llama", eps=1e-6, compiled=False, grad="contiguous"):
     d, dtype = q.shape[-1], q.dtype
     torch.manual_seed(d)
     wq, wk = (torch.randn(d, dtype=dtype, device="cuda") if weight else None for _ in range(2))
     leaves = [t.detach().requires_grad_() for t in (q, k)] + [w.requires_grad_() for w in (wq, wk) if w is not None]
-    dyq, dyk = torch.randn(q.shape, dtype=dtype, device="cuda"), torch.randn(k.shape, dtype=dtype, device="cuda")
+    dyq, dyk = _gradient(grad, q), _gradient(grad, k)
     kw = dict(offset=offset, casting_mode=casting_mode, backend="cutile")
 
     def fn(q, k, *w):
@@ -74,6 +87,54 @@ def test_qk_forward_backward(b, s, d, dtype, layout):
             y, tilegym_rms.rms_norm(x, w, casting_mode="llama", backend="cutile"), rtol=4 * eps, atol=4 * eps
         )
         assert y.is_contiguous() == (layout != "transposed")  # dense in the input's dim order
+
+
+# (head dim, q heads, k heads): every head dim's tile class beside GQA 1:1 to 8:1 and head counts that are not
+# powers of two (28 and 40 query heads: tiles of 4 and 8 heads).
+HEADS_BY_D = [(64, 8, 8), (80, 40, 8), (96, 28, 4), (128, 32, 8), (128, 64, 8), (256, 16, 4)]
+GRADIENTS = ["contiguous", "transposed_back", "like_output"]
+
+
+@pytest.mark.parametrize("grad", GRADIENTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d,hq,hk", HEADS_BY_D)
+def test_qk_layouts_and_gradient_layouts(d, hq, hk, dtype, layout, grad):
+    """Values and gradients against float64 for every input layout and every gradient layout (the kernels read
+    them all in place, tiles split over tokens and heads), 999 tokens (odd: partial tiles along G and H)."""
+    q, k = _layout(layout, 3, 333, d, dtype, hq, hk)
+    _check(q, k, grad=grad)
+
+
+@pytest.mark.parametrize("grad", GRADIENTS)
+def test_qk_gradient_layouts_at_many_rows(grad):
+    """A fused qkv slice of 8192 tokens, 32 and 8 heads (327680 rows): many tiles per block."""
+    q, k = _layout("qkv_slice", 4, 2048, 128, torch.bfloat16, 32, 8)
+    _check(q, k, grad=grad)
+
+
+def test_qk_gradient_of_a_transposing_consumer_is_read_in_place(monkeypatch):
+    """HF attention: q_norm, then ``.transpose(1, 2)`` into (B, H, S, D) math; the backward kernel gets the
+    gradient autograd hands back, (B, H, S, D)-contiguous and transposed, without a copy."""
+    from tilegym_rms.cutile.host import common
+
+    seen = []
+    real = common.launcher()
+    monkeypatch.setattr(
+        common, "launcher", lambda: lambda kernel, g, args, *a: seen.append(args) or real(kernel, g, args, *a)
+    )
+    q, k = (t.detach().requires_grad_() for t in _layout("qkv_slice", 2, 301, 128, torch.bfloat16, 32, 8))
+    yq, yk = tilegym_rms.qk_rms_norm(q, k, backend="cutile")
+    cq = torch.randn(2, 32, 301, 128, dtype=torch.bfloat16, device="cuda")
+    ck = torch.randn(2, 8, 301, 128, dtype=torch.bfloat16, device="cuda")
+    ((yq.transpose(1, 2).float() * cq).sum() + (yk.transpose(1, 2).float() * ck).sum()).backward()
+    dyq, dyk = seen[1][0], seen[1][1]  # the backward kernel's gradient arguments
+    assert dyq.shape == (2, 301, 32, 128) and dyq.stride() == cq.transpose(1, 2).stride()
+    assert dyk.shape == (2, 301, 8, 128) and dyk.stride() == ck.transpose(1, 2).stride()
+    for x, c, dx in ((q, cq, q.grad), (k, ck, k.grad)):
+        dy = c.transpose(1, 2)
+        err = chunked_errors(x.detach(), None, dy, {"dx": dx}, eps=1e-6, offset=0.0, casting_mode="llama")
+        assert err["dx"] <= Y_TOL[torch.bfloat16], err
 
 
 @pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)

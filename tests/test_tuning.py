@@ -663,22 +663,26 @@ QK_ODD = config.QKCandidate(512, 8, 3, 1, 0, 4)  # no heuristic picks these
 def test_the_hosts_qk_config_follows_the_qk_entry_and_is_the_heuristics_without_one(host):
     m_q, m_k, d = 16 * 1024, 4 * 1024, 64  # 20480 rows: bucket 32768
     doc = one_entry("qk", "bf16", 64, QK_ODD, m=32768)
-    analytic = config.qk_config(m_q, m_k, d, BF16, SMS)
+    analytic = config.qk_config((1, 1, m_q), (1, 1, m_k), d, BF16, SMS)
     shipped = tuning.packaged("sm90_132sm").lookup("qk", 32768, 64, BF16)
     if shipped is not None:  # the shipped table's measured entry is what the host launches
-        c = host.qk.cached_config(0, m_q, m_k, d, BF16)
+        c = host.qk.cached_config(0, (1, 1, m_q), (1, 1, m_k), d, BF16)
         assert (c.fwd_tile_m, c.bwd_tile_m) == (shipped.fwd_tile_m, shipped.bwd_tile_m)
     with tuning.use_table(doc):
-        c = host.qk.cached_config(0, m_q, m_k, d, BF16)
+        c = host.qk.cached_config(0, (1, 1, m_q), (1, 1, m_k), d, BF16)
         assert (c.tile_n, c.fwd_tile_m, c.bwd_tile_m) == (64, 512, 8)
         assert (c.fwd_grid, c.bwd_grid) == (32 + 8, SMS)  # 3 blocks per SM, capped by the row tiles of 512
         assert (c.fwd_hints, c.bwd_hints) == ((), (("occupancy", 4),))
-        assert host.qk.cached_config(0, m_q, m_k, 128, BF16) == config.qk_config(m_q, m_k, 128, BF16, SMS)  # other D
-        assert host.qk.cached_config(0, m_q, m_k, d, torch.float16) == config.qk_config(m_q, m_k, d, BF16, SMS)
+        assert host.qk.cached_config(0, (1, 1, m_q), (1, 1, m_k), 128, BF16) == config.qk_config(
+            (1, 1, m_q), (1, 1, m_k), 128, BF16, SMS
+        )  # other D
+        assert host.qk.cached_config(0, (1, 1, m_q), (1, 1, m_k), d, torch.float16) == config.qk_config(
+            (1, 1, m_q), (1, 1, m_k), d, BF16, SMS
+        )
         # below the entry's first run the floor rule gives the first run; a D of the same bucket shares it
-        assert host.qk.cached_config(0, 64, 16, 33, BF16).fwd_tile_m == 512
+        assert host.qk.cached_config(0, (1, 1, 64), (1, 1, 16), 33, BF16).fwd_tile_m == 512
     with tuning.use_table(None):
-        assert host.qk.cached_config(0, m_q, m_k, d, BF16) == analytic
+        assert host.qk.cached_config(0, (1, 1, m_q), (1, 1, m_k), d, BF16) == analytic
 
 
 @pytest.mark.parametrize(
@@ -958,10 +962,10 @@ def test_overlay_takes_the_sweeps_winner_where_the_incumbent_was_not_timed():
 
 def test_the_qk_sweep_times_the_views_the_product_launches(tune_table):
     """The sweep calls the cuTile host directly, so it must hand it the views ``qk_rms_norm`` would: for the
-    dense q and k it builds, ops merges (tokens, heads, D) into (tokens * heads, 1, D) rows. An earlier
+    dense q and k it builds, ops merges (tokens, heads, D) into (1, 1, tokens * heads, D) rows. An earlier
     sweep timed the head-strided (tokens, 16, D) walk instead, and its winners did not transfer."""
     q = torch.randn(8, build.QK_SWEEP_HEADS[0], 64)
     got = tune_table.qk_product_views(q)
-    assert got.shape == (8 * build.QK_SWEEP_HEADS[0], 1, 64) and got.data_ptr() == q.data_ptr()
+    assert got.shape == (1, 1, 8 * build.QK_SWEEP_HEADS[0], 64) and got.data_ptr() == q.data_ptr()
     sliced = torch.randn(8, 3 * 16 * 64)[:, : 16 * 64].view(8, 16, 64)  # q of a fused qkv projection
-    assert tune_table.qk_product_views(sliced).shape == (8, 16, 64)  # rows not one run: kept as heads
+    assert tune_table.qk_product_views(sliced).shape == (1, 8, 16, 64)  # rows not one run: tokens x heads

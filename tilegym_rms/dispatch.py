@@ -66,18 +66,21 @@ class FusedAddBackwardBackend(Protocol):
 @runtime_checkable
 class QKNormBackend(Protocol):
     """Optional: queries and keys normalized together, one launch each way (else :mod:`tilegym_rms.ops`
-    runs the plain norm on each). ``q`` and ``k`` arrive as 3-D ``(G, H, D)`` views with a dense last dim
-    and any strides in their first two dims (rows of one tensor never overlap), of one dtype and ``D``,
-    never empty; rows are numbered ``g * H + h``."""
+    runs the plain norm on each). ``q`` and ``k`` arrive as 4-D ``(A, G, H, D)`` views with a dense last dim
+    and any strides in their first three dims (rows of one tensor never overlap), of one dtype and ``D``,
+    never empty; rows are numbered ``(a * G + g) * H + h``. The views of one side (``q`` and ``dq_out``; ``k``
+    and ``dk_out``) share one shape, each with its own strides: e.g. ``(1, 1, M, D)`` for dense tensors,
+    ``(1, tokens, heads, D)`` for a fused qkv slice, ``(B, S, H, D)`` for a gradient whose memory order differs
+    from q's. ``q`` and ``k`` have shapes of their own."""
 
     def qk_forward(self, q, k, q_weight, k_weight, eps: float, offset: float, casting_mode: str):
-        """``(q_out, k_out, q_rstd, k_rstd)``: outputs contiguous ``(G, H, D)`` in the input dtype, rstd
-        contiguous ``(G, H)`` in :func:`tilegym_rms.reference.compute_dtype`."""
+        """``(q_out, k_out, q_rstd, k_rstd)``: outputs contiguous ``(A, G, H, D)`` in the input dtype, rstd
+        contiguous ``(A, G, H)`` in :func:`tilegym_rms.reference.compute_dtype`."""
 
     def qk_backward(self, q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset: float, casting_mode: str):
-        """``(dq, dk, dq_weight, dk_weight)``: contiguous ``(G, H, D)`` gradients in the input dtype (``dq_out``
-        and ``dk_out`` are views like ``q`` and ``k``, the rstd ``(G, H)``); each dw in its weight's dtype,
-        or None without that weight."""
+        """``(dq, dk, dq_weight, dk_weight)``: contiguous ``(A, G, H, D)`` gradients in the input dtype (``dq_out``
+        and ``dk_out`` are views of the shapes of ``q`` and ``k``, the rstd contiguous ``(A, G, H)``); each dw in
+        its weight's dtype, or None without that weight."""
 
 
 @runtime_checkable

@@ -70,7 +70,7 @@ QUACK_BY_DEFAULT = ("heldout", "large")
 
 # QK-norm (bench_rmsnorm.py --measure qk_norm): q of M rows in QK_HEADS[0] heads, k in QK_HEADS[1] (GQA).
 QK_HEADS = (16, 4)
-QK_PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "torch", "torch.compile", "liger")
+QK_PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "torch", "torch.compile", "liger", "quack")
 
 METHOD_TEXT = {
     "profiler": "sum of device kernel+memcpy+memset durations (torch.profiler/CUPTI) per call",

@@ -11,7 +11,7 @@ from functools import cached_property
 
 import torch
 
-from bench.common import base
+from bench.common import base, traffic
 
 
 @dataclass
@@ -195,7 +195,7 @@ def discover_qk_providers(
     plain, skipped = discover_providers(
         [n for n in names if not n.startswith("tilegym_rms-")], device, eps, tilegym_rms, tilegym_rms_error
     )
-    found = [Provider(p.name, lambda q, k, wq, wk, f=p.forward: (f(q, wq), f(k, wk))) for p in plain]
+    found = [Provider(p.name, _on_q_and_k(p)) for p in plain]
     avail, tilegym_rms, tilegym_rms_error = _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error)
     for name in (n for n in names if n.startswith("tilegym_rms-")):
         backend = name.split("-", 1)[1]
@@ -209,6 +209,19 @@ def discover_qk_providers(
 
         found.insert(0, Provider(name, qk))
     return found, skipped
+
+
+def _on_q_and_k(p: Provider) -> Callable:
+    """(q, k, wq, wk) -> (q_out, k_out): a peer's RMSNorm on each tensor. quack takes 2-D rows: q and k are
+    reshaped to them (a copy where their layout has no such view, as a caller would make) and back."""
+    if p.name == "quack":
+
+        def norm(t, w, f=p.forward):
+            return f(t.reshape(-1, t.shape[-1]), w).view(t.shape)
+
+    else:
+        norm = p.forward
+    return lambda q, k, wq, wk: (norm(q, wq), norm(k, wk))
 
 
 def eager_fused_add_rms_norm(eps: float) -> Callable:
@@ -242,6 +255,35 @@ def _leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().requires_grad_(True) for t in tensors]
 
 
+def _qk_tensors(layout: str, m: int, d: int, dtype, device, n: int, g, need_dy: bool):
+    """``(q, k, dyq, dyk)`` lists of ``n`` sets in ``layout`` (traffic.QK_LAYOUTS): q of ``m`` rows in
+    base.QK_HEADS[0] heads, k of base.QK_HEADS[1], head dim ``d``; two sequences of ``m / heads / 2`` tokens."""
+    hq, hk = base.QK_HEADS
+    tokens = m // hq
+    b, s = (2, tokens // 2) if tokens % 2 == 0 else (1, tokens)
+
+    def randn(*shape):
+        return torch.randn(shape, dtype=dtype, device=device, generator=g)
+
+    qs, ks, dqs, dks = [], [], [], []
+    for _ in range(n):
+        if layout == "separate":  # q_proj(x).view(tokens, heads, D): contiguous, gradients too
+            q, k = randn(tokens, hq, d), randn(tokens, hk, d)
+            dyq, dyk = (randn(*t.shape) for t in (q, k))
+        elif layout == "transposed":  # .view(B, S, H, D).transpose(1, 2); the consumer's gradient (B, H, S, D)
+            q, k = randn(b, s, hq, d).transpose(1, 2), randn(b, s, hk, d).transpose(1, 2)
+            dyq, dyk = (randn(*t.shape) for t in (q, k))
+        else:  # qkv slices; the gradient handed back through .transpose(1, 2) from (B, H, S, D) math
+            qkv = randn(b, s, (hq + 2 * hk) * d)
+            q, k = qkv[..., : hq * d].view(b, s, hq, d), qkv[..., hq * d : (hq + hk) * d].view(b, s, hk, d)
+            dyq, dyk = (randn(b, t.shape[2], s, d).transpose(1, 2) for t in (q, k))
+        qs.append(q)
+        ks.append(k)
+        dqs.append(dyq)
+        dks.append(dyk)
+    return qs, ks, (dqs if need_dy else []), (dks if need_dy else [])
+
+
 class InputSets:
     """``n`` independent (x, w, dy, rstd) sets of one shape; ``xg``/``wg`` are grad-requiring leaves that share
     the storage of ``x``/``w``."""
@@ -257,23 +299,25 @@ class InputSets:
         eps: float,
         need_dy: bool = True,
         need_residual: bool = False,
-        qk: bool = False,
+        qk: str = "",
     ):
         g = torch.Generator(device=device)
         g.manual_seed(seed)
         self.n = n
-        # QK-norm: x holds q as (tokens, heads, head_dim); k, wk and dyk hold the keys' tensors
-        q_shape = (m // base.QK_HEADS[0], base.QK_HEADS[0], n_cols) if qk else (m, n_cols)
-        self.x = [torch.randn(q_shape, dtype=dtype, device=device, generator=g) for _ in range(n)]
+        # QK-norm (``qk``: a layout of traffic.QK_LAYOUTS): x holds q, k, wk and dyk the keys' tensors
+        if qk:
+            self.x, self.k, self.dy, self.dyk = _qk_tensors(qk, m, n_cols, dtype, device, n, g, need_dy)
+        else:
+            self.x = [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)]
+            self.dy = (
+                [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)] if need_dy else []
+            )
+            self.k, self.dyk = [], []
         self.w = [
             (1.0 + 0.1 * torch.randn(n_cols, dtype=torch.float32, device=device, generator=g)).to(dtype)
             for _ in range(n)
         ]
-        self.dy = [torch.randn(q_shape, dtype=dtype, device=device, generator=g) for _ in range(n)] if need_dy else []
-        k_shape = (q_shape[0], base.QK_HEADS[1], n_cols)
-        self.k = [torch.randn(k_shape, dtype=dtype, device=device, generator=g) for _ in range(n)] if qk else []
         self.wk = [(1.0 + 0.1 * torch.randn(n_cols, device=device, generator=g)).to(dtype) for _ in self.k]
-        self.dyk = [torch.randn(k_shape, dtype=dtype, device=device, generator=g) for _ in self.k] if need_dy else []
         # fused add: the residual r and, for the backward, the gradient of residual_out
         self.r = (
             [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)] if need_residual else []
@@ -321,7 +365,7 @@ def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[
     built here and ``call`` replays ``torch.autograd.grad((y, residual_out), (x, r, w), (dy, dres),
     retain_graph=True)``.
     """
-    if op == "qk_fwd":
+    if op in traffic.QK_OPS and traffic.qk_op_parts(op)[0] == "fwd":
 
         def call_qk_fwd(i):
             with torch.no_grad():
@@ -329,7 +373,7 @@ def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[
             return {"y": yq, "y_k": yk}
 
         return call_qk_fwd, ""
-    if op == "qk_bwd":
+    if op in traffic.QK_OPS:
         outs = [provider.forward(sets.xg[i], sets.kg[i], sets.wg[i], sets.wkg[i]) for i in range(sets.n)]
 
         def call_qk_bwd(i):
@@ -402,7 +446,7 @@ def relative_errors(
 
 def output_errors(op: str, sets: InputSets, eps: float, outputs: dict) -> dict[str, float]:
     """Relative errors of ``outputs`` (of ``op`` on set 0) against float64 math."""
-    if op in ("qk_fwd", "qk_bwd"):  # q's outputs by their plain names, k's with the suffix _k
+    if op in traffic.QK_OPS:  # q's outputs by their plain names, k's with the suffix _k
         k_outs = {name[:-2]: v for name, v in outputs.items() if name.endswith("_k")}
         errs = relative_errors(sets.k[0], sets.wk[0], eps, k_outs, sets.dyk[0] if sets.dyk else None)
         q_outs = {name: v for name, v in outputs.items() if not name.endswith("_k")}

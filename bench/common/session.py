@@ -215,8 +215,8 @@ class Session:
             try:
                 sets = providers.InputSets(
                     m, n, dtype, self.device, n_sets, self.args.seed, self.args.eps,
-                    need_dy=op not in ("forward", "fused_add_fwd", "qk_fwd"), need_residual=fused,
-                    qk=op in traffic.QK_OPS,
+                    need_dy=op not in ("forward", "fused_add_fwd") and not op.startswith("qk_fwd"),
+                    need_residual=fused, qk=traffic.qk_op_parts(op)[1] if op in traffic.QK_OPS else "",
                 )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the largest shapes
                 err = base.short_error(exc)

@@ -40,7 +40,19 @@ def fused_add_backward_bytes(m: int, n: int, elt: int, w_elt: int | None = None)
 
 
 FUSED_ADD_OPS = ("fused_add_fwd", "fused_add_bwd")
-QK_OPS = ("qk_fwd", "qk_bwd")
+# QK-norm ops: each direction on three layouts of q and k (op suffix -> layout; providers.InputSets builds them):
+# separate q_proj / k_proj outputs viewed (tokens, heads, D); their .transpose(1, 2) to (B, H, S, D), whose
+# gradient is a contiguous (B, H, S, D) tensor; the q and k slices of one fused qkv projection viewed (B, S, H,
+# D), whose gradient is what autograd hands back from a .transpose(1, 2) consumer (a (B, H, S, D) tensor
+# transposed). The minimal traffic is the same in every layout.
+QK_LAYOUTS = {"": "separate", "_transposed": "transposed", "_qkv": "qkv"}
+QK_OPS = tuple(f"qk_{direction}{suffix}" for suffix in QK_LAYOUTS for direction in ("fwd", "bwd"))
+
+
+def qk_op_parts(op: str) -> tuple[str, str]:
+    """``(direction, layout)`` of a QK-norm op: ``"fwd"`` or ``"bwd"``, and a value of :data:`QK_LAYOUTS`."""
+    direction, suffix = op[3:6], op[6:]
+    return direction, QK_LAYOUTS[suffix]
 
 
 def qk_rows(m: int) -> tuple[int, int]:
@@ -60,10 +72,8 @@ def qk_backward_bytes(m: int, n: int, elt: int) -> int:
 
 
 def op_bytes(op: str, m: int, n: int, elt: int) -> int:
-    if op == "qk_fwd":
-        return qk_forward_bytes(m, n, elt)
-    if op == "qk_bwd":
-        return qk_backward_bytes(m, n, elt)
+    if op in QK_OPS:
+        return (qk_forward_bytes if qk_op_parts(op)[0] == "fwd" else qk_backward_bytes)(m, n, elt)
     if op == "fused_add_fwd":
         return fused_add_forward_bytes(m, n, elt)
     if op == "fused_add_bwd":
@@ -80,7 +90,8 @@ def op_bytes(op: str, m: int, n: int, elt: int) -> int:
 def read_bytes(op: str, m: int, n: int, elt: int) -> int:
     """Bytes one call reads from its input set (what the rotation has to push out of L2)."""
     if op in QK_OPS:
-        return sum(read_bytes("forward" if op == "qk_fwd" else "backward", rows, n, elt) for rows in qk_rows(m))
+        plain = "forward" if qk_op_parts(op)[0] == "fwd" else "backward"
+        return sum(read_bytes(plain, rows, n, elt) for rows in qk_rows(m))
     if op == "fused_add_fwd":
         return 2 * m * n * elt + n * elt
     if op == "fused_add_bwd":

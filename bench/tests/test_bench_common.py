@@ -278,7 +278,7 @@ def test_qk_norm_measure_cpu_mode(tmp_path, monkeypatch, capsys):
     assert bench_rmsnorm.main(argv) == 0
     assert "QK-norm (q and k per head), backward (autograd)" in capsys.readouterr().out
     saved = [r for r in json.loads((tmp_path / "rms_norm.json").read_text()) if r["metric_name"] == "throughput"]
-    assert {r["kernel_operation_mode"] for r in saved} == {"qk_fwd", "qk_bwd"}
+    assert {r["kernel_operation_mode"] for r in saved} == set(traffic.QK_OPS)  # both ways, every layout
     assert {r["kernel_provider"] for r in saved} == {"tilegym_rms-torch", "torch"}
     for rec in saved:
         assert json.loads(rec["extra_benchmark_config_str"])["suite"] == "qk_norm"
@@ -287,13 +287,52 @@ def test_qk_norm_measure_cpu_mode(tmp_path, monkeypatch, capsys):
 
 
 def test_qk_norm_check_sees_a_wrong_k():
-    sets = providers.InputSets(64, 32, torch.float32, "cpu", 1, 0, 1e-6, need_dy=False, qk=True)
+    sets = providers.InputSets(64, 32, torch.float32, "cpu", 1, 0, 1e-6, need_dy=False, qk="separate")
     q, k, wq, wk = sets.x[0], sets.k[0], sets.w[0], sets.wk[0]
     f = torch.nn.functional.rms_norm
     good = {"y": f(q, (32,), wq, 1e-6), "y_k": f(k, (32,), wk, 1e-6)}
     assert providers.check_ok(providers.output_errors("qk_fwd", sets, 1e-6, good), "fp32")
     bad = good | {"y_k": good["y_k"] * 1.01}
     assert not providers.check_ok(providers.output_errors("qk_fwd", sets, 1e-6, bad), "fp32")
+
+
+def test_qk_norm_layouts_are_the_ones_attention_hands_over():
+    """separate: contiguous (tokens, heads, D); transposed: (B, H, S, D) transposes, gradients contiguous in
+    them; qkv: slices of one fused projection, gradients (B, H, S, D)-contiguous tensors transposed back."""
+    hq, hk = base.QK_HEADS
+    m, d = 64 * hq, 8  # 64 tokens: two sequences of 32
+    for layout in traffic.QK_LAYOUTS.values():
+        sets = providers.InputSets(m, d, torch.float32, "cpu", 1, 0, 1e-6, qk=layout)
+        q, k, dyq, dyk = sets.x[0], sets.k[0], sets.dy[0], sets.dyk[0]
+        assert q.numel() == m * d and k.numel() == m // hq * hk * d
+        assert dyq.shape == q.shape and dyk.shape == k.shape
+        if layout == "separate":
+            assert q.shape == (64, hq, d) and q.is_contiguous() and dyq.is_contiguous()
+        elif layout == "transposed":
+            assert q.shape == (2, hq, 32, d) and q.transpose(1, 2).is_contiguous() and dyq.is_contiguous()
+        else:
+            assert q.shape == (2, 32, hq, d) and q.stride(1) == (hq + 2 * hk) * d and k.data_ptr() > q.data_ptr()
+            assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+            assert dyq.transpose(1, 2).is_contiguous() and dyk.transpose(1, 2).is_contiguous()
+
+
+def test_quack_runs_qk_norm_on_the_rows_of_q_and_of_k(monkeypatch):
+    """quack takes 2-D rows: the qk provider hands it each tensor's rows and views the result back."""
+    import types
+
+    def fake_rmsnorm(x, w, eps):
+        assert x.dim() == 2
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
+
+    pkg, mod = types.ModuleType("quack"), types.ModuleType("quack.rmsnorm")
+    mod.rmsnorm, pkg.rmsnorm = fake_rmsnorm, mod
+    monkeypatch.setitem(sys.modules, "quack", pkg)
+    monkeypatch.setitem(sys.modules, "quack.rmsnorm", mod)
+    found, _ = providers.discover_qk_providers(["quack"], torch.device("cpu"), 1e-5)
+    sets = providers.InputSets(64 * base.QK_HEADS[0], 8, torch.float32, "cpu", 1, 0, 1e-5, need_dy=False, qk="qkv")
+    yq, yk = found[0].forward(sets.x[0], sets.k[0], sets.w[0], sets.wk[0])
+    for x, w, y in ((sets.x[0], sets.w[0], yq), (sets.k[0], sets.wk[0], yk)):
+        torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (8,), w, 1e-5))
 
 
 def test_quack_is_a_plain_rmsnorm_provider(monkeypatch):

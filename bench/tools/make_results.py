@@ -49,6 +49,10 @@ OPS = {
     "fused_add_bwd": "Fused residual add, backward (autograd.grad only)",
     "qk_fwd": "QK-norm, forward",
     "qk_bwd": "QK-norm, backward (autograd.grad only)",
+    "qk_fwd_transposed": "QK-norm, forward, (B, H, S, D) transposes",
+    "qk_bwd_transposed": "QK-norm, backward, (B, H, S, D) transposes",
+    "qk_fwd_qkv": "QK-norm, forward, fused qkv slices",
+    "qk_bwd_qkv": "QK-norm, backward, fused qkv slices (gradient from a transposing consumer)",
 }
 SUITES = {
     "grid": "",

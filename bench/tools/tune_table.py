@@ -337,7 +337,7 @@ def _inputs(op: str, m_b: int, n_b: int, dtype: torch.dtype, device: torch.devic
     for _ in range(count):
         q, k = (torch.randn(tokens, h, n_b, dtype=dtype, device=device) for h in (hq, hk))
         q, k = qk_product_views(q), qk_product_views(k)
-        rq, rk = (torch.rand(t.shape[:2], device=device) + 0.5 for t in (q, k))
+        rq, rk = (torch.rand(t.shape[:3], device=device) + 0.5 for t in (q, k))
         sets.append((q, k, torch.randn_like(q), torch.randn_like(k), rq, rk))
     rows = tokens * hq  # traffic.qk_rows: q's rows, k's from base.QK_HEADS (the same 16 and 4 heads)
     return sets, {"fwd": (traffic.qk_forward_bytes(rows, n_b, elt), "qk_fwd"),
@@ -345,10 +345,10 @@ def _inputs(op: str, m_b: int, n_b: int, dtype: torch.dtype, device: torch.devic
 
 
 def qk_product_views(t: torch.Tensor) -> torch.Tensor:
-    """The ``(G, H, D)`` view ``qk_rms_norm`` hands the cuTile host for ``t`` (ops merges the dims of dense
-    layouts: a contiguous ``(tokens, heads, D)`` becomes ``(tokens * heads, 1, D)``). The kernels walk the
-    two layouts differently, so a sweep on other views would tune a walk the product does not run."""
-    return qk_ops._heads(t)
+    """The ``(A, G, H, D)`` view ``qk_rms_norm`` hands the cuTile host for ``t`` (ops merges the dims of dense
+    layouts: a contiguous ``(tokens, heads, D)`` becomes ``(1, 1, tokens * heads, D)``). The kernels split a tile
+    by the view's shape, so a sweep on other views would tune a walk the product does not run."""
+    return qk_ops._qk_views([t])[0][0]
 
 
 AFTER_FORWARD = "backward after the forward"  # --after-forward: what a backward run timed

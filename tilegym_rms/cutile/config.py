@@ -13,6 +13,7 @@ result per device, M, N, dtype and kernel), so a new M compiles nothing new. Til
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -155,6 +156,12 @@ class Heuristics:
     # row reductions of one tile get long for no more bytes in flight (256 rows of 64 bf16 = 32 KB).
     qk_min_tile_m: int = 16
     qk_max_tile_m: int = 256
+    # Heads per tile where a tile spans tokens and heads (G > 1, see qk_tile_split): the tile then reads
+    # TILE_G runs of TILE_H * D elements of a tensor whose heads are contiguous (a projection output, a qkv
+    # slice) and TILE_H runs of TILE_G * D of one whose tokens are (a gradient from a (B, H, S, D) consumer):
+    # 16 keeps both runs 1 KB or more at D 64 in 16 bits with the backward's 64-row tiles (PERFORMANCE.md,
+    # "QK-norm").
+    qk_tile_h: int = 16
     # Blocks per SM and occupancy: the plain norm's settings for rows of at most 1024 columns (forward) and for
     # narrow backward rows (PERFORMANCE.md, "Forward" and "Backward").
     qk_fwd_blocks_per_sm: int = 8
@@ -475,15 +482,42 @@ def reduce_config(n: int, num_sms: int) -> ReduceConfig:
 # ----------------------------------------------------------------------------------------------
 
 
+# A qk tensor reaches the kernels as an ``(A, G, H, D)`` view (ops/qk.py): runs of memory of one tensor pair,
+# e.g. tokens (G) and heads (H) of a fused qkv slice. A tile is (1, TILE_G, TILE_H, TILE_N): TILE_G x TILE_H rows.
+QKTiles = tuple[tuple[int, int], tuple[int, int]]  # ((TILE_G, TILE_H) of q, of k)
+
+
 @dataclass(frozen=True)
 class QKConfig:
     tile_n: int  # TILE_N >= D, one tile per row
-    fwd_tile_m: int
+    fwd_tile_m: int  # rows per tile (TILE_G x TILE_H), forward
     bwd_tile_m: int
     fwd_grid: int
     bwd_grid: int  # also the rows of the (grid, 2, D) dw partial buffer
     fwd_hints: Hints = ()
     bwd_hints: Hints = ()
+    fwd_tiles: QKTiles = ((1, 1), (1, 1))  # the rows of a tile split along G and H, forward
+    bwd_tiles: QKTiles = ((1, 1), (1, 1))
+
+
+def qk_tile_split(rows: int, g: int, h: int, params: Heuristics | None = None) -> tuple[int, int]:
+    """``(TILE_G, TILE_H)`` with ``TILE_G * TILE_H == rows`` for a ``(G, H)`` grid of rows: the splits whose
+    padded grid is within 1/16 of the least padding (no half-empty tile for 40 heads: 8 x 5, not 64), then the
+    one whose TILE_H is nearest ``qk_tile_h``, larger on a tie. Where G is 1 (all rows one run: the dense
+    layouts) the tile is ``rows`` rows of that run, the plain row tile."""
+    p = params or HEURISTICS
+    if g == 1:
+        return 1, rows
+    splits = []
+    th = 1
+    while th <= rows:
+        tg = rows // th
+        splits.append((cdiv(g, tg) * tg * cdiv(h, th) * th, tg, th))
+        th *= 2
+    least = min(padded for padded, _, _ in splits)
+    near = [(tg, th) for padded, tg, th in splits if 16 * padded <= 17 * least]
+    pref = p.qk_tile_h.bit_length()
+    return min(near, key=lambda s: (abs(s[1].bit_length() - pref), -s[1]))
 
 
 def _qk_tile_m(rows: int, tile_n: int, target_elems: int, num_sms: int, p: Heuristics) -> int:
@@ -525,27 +559,42 @@ def qk_candidate(rows: int, d: int, dtype: torch.dtype, num_sms: int, params: He
 
 
 def qk_config(
-    m_q: int, m_k: int, d: int, dtype: torch.dtype, num_sms: int, entry: QKCandidate | None = None
+    q_shape: tuple[int, int, int],
+    k_shape: tuple[int, int, int],
+    d: int,
+    dtype: torch.dtype,
+    num_sms: int,
+    entry: QKCandidate | None = None,
 ) -> QKConfig:
-    """Tiles, grids and hints of the qk kernels for ``m_q`` rows of q and ``m_k`` rows of k: the tuning
-    table's ``entry`` for the bucket (:meth:`.tuning.Table.lookup` of "qk" at ``m_q + m_k`` rows, head dim
-    ``d``), else the analytic heuristics (tiles from the rows' power-of-two bucket). The grid follows the
-    real row counts."""
+    """Tiles, grids and hints of the qk kernels for q and k viewed ``(A, G, H, D)``, ``q_shape`` and ``k_shape``
+    their ``(A, G, H)``: the tuning table's ``entry`` for the bucket (:meth:`.tuning.Table.lookup` of "qk" at the
+    rows of q and k together, head dim ``d``), else the analytic heuristics (tile rows from the rows' power-of-two
+    bucket), each tile's rows split along G and H per tensor (:func:`qk_tile_split`). The grid follows the real
+    tile counts."""
     p = HEURISTICS
     tile_n = next_pow2(d)
     if tile_n > p.qk_max_tile_n:
         raise ValueError(f"qk_rms_norm's cuTile kernels take head dims of at most {p.qk_max_tile_n}, got {d}")
-    c = entry or qk_candidate(m_q + m_k, d, dtype, num_sms)
+    c = entry or qk_candidate(math.prod(q_shape) + math.prod(k_shape), d, dtype, num_sms)
 
-    def grid(tile_m, blocks_per_sm):  # never more blocks than row tiles
-        return max(1, min(num_sms * blocks_per_sm, cdiv(m_q, tile_m) + cdiv(m_k, tile_m)))
+    def tiles(tile_m):
+        return tuple(qk_tile_split(tile_m, shape[1], shape[2]) for shape in (q_shape, k_shape))
 
+    def grid(split, blocks_per_sm):  # never more blocks than tiles
+        count = sum(
+            a * cdiv(g, tg) * cdiv(h, th) for (a, g, h), (tg, th) in zip((q_shape, k_shape), split, strict=True)
+        )
+        return max(1, min(num_sms * blocks_per_sm, count))
+
+    fwd_tiles, bwd_tiles = tiles(c.fwd_tile_m), tiles(c.bwd_tile_m)
     return QKConfig(
         tile_n,
         c.fwd_tile_m,
         c.bwd_tile_m,
-        grid(c.fwd_tile_m, c.fwd_blocks_per_sm),
-        grid(c.bwd_tile_m, c.bwd_blocks_per_sm),
+        grid(fwd_tiles, c.fwd_blocks_per_sm),
+        grid(bwd_tiles, c.bwd_blocks_per_sm),
         _hints(occupancy=c.fwd_occupancy),
         _hints(occupancy=c.bwd_occupancy),
+        fwd_tiles,
+        bwd_tiles,
     )

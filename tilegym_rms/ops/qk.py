@@ -19,10 +19,13 @@ from .norm import rms_norm
 #
 # Layout: rows are independent, so each tensor is read in its memory order: its leading dims permuted by
 # decreasing stride ("stride order"; a no-op for contiguous tensors, the (B, S, H) order of a (B, H, S, D)
-# transpose of a projection output), then grouped into a 3-D (G, H, D) view. Every projection layout has
-# one (contiguous, heads transposed, a slice of a fused qkv output); other tensors are copied once. The
-# outputs are dense with the inputs' stride order, as torch's elementwise ops give them; rstd is flat, one
-# value per row in that order.
+# transpose of a projection output). The backend's qk kernels take 4-D ``(A, G, H, D)`` views of every tensor
+# of one side (q, and in the backward its output gradient; k likewise), each with its own strides: the leading
+# dims in q's stride order, size-1 dims dropped, adjacent dims merged where every one of those tensors can
+# merge them, padded with 1s in front. That reads every layout attention hands over in place: a dense tensor is
+# ``(1, 1, M, D)``, a fused qkv slice ``(1, tokens, heads, D)``, a gradient handed back through a ``.transpose
+# (1, 2)`` from a ``(B, H, S, D)`` consumer ``(B, S, H, D)`` beside a dense q. The outputs are dense with the
+# inputs' stride order, as torch's elementwise ops give them; rstd is flat, one value per row in that order.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -48,43 +51,48 @@ def _empty_in_order(t: torch.Tensor) -> torch.Tensor:
     return _from_order(torch.empty(_in_order(t, order).shape, dtype=t.dtype, device=t.device), order)
 
 
-def _rows_apart(t3: torch.Tensor) -> bool:
-    """Whether the rows of a ``(G, H, D)`` view are dense and never overlap (what the kernels assume)."""
-    d, span = t3.shape[2], t3.shape[2]
-    if d > 1 and t3.stride(2) != 1:
+def _rows_apart(t: torch.Tensor) -> bool:
+    """Whether the rows of ``t`` (its last dim) are dense and never overlap (what the kernels assume)."""
+    d, span = t.shape[-1], t.shape[-1]
+    if d > 1 and t.stride(-1) != 1:
         return False
-    for stride, size in sorted((s, n) for n, s in zip(t3.shape[:2], t3.stride()[:2], strict=True) if n > 1):
+    for stride, size in sorted((s, n) for n, s in zip(t.shape[:-1], t.stride()[:-1], strict=True) if n > 1):
         if stride < span:
             return False
         span = stride * size
     return True
 
 
-def _heads_shape(t: torch.Tensor) -> tuple[int, int, int]:
-    """``(G, H, D)`` for ``t`` in stride order: its leading dims merged where they are one run of memory.
-    More than two runs cannot be one 3-D view: ``(M, 1, D)``, which the caller's reshape copies."""
-    runs: list[list[int]] = []  # [size, stride] of each run, outermost first
-    for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True):
+def _runs(tensors: list[torch.Tensor]) -> list[int]:
+    """The sizes of the leading dims of ``tensors`` (one shape) with size-1 dims dropped and adjacent dims merged
+    where every tensor's strides allow it: the fewest dims that view all of them."""
+    sizes: list[int] = []
+    inner: list[int] = []  # each tensor's stride of the last merged dim
+    for i, size in enumerate(tensors[0].shape[:-1]):
         if size == 1:
             continue
-        if runs and runs[-1][1] == size * stride:
-            runs[-1] = [runs[-1][0] * size, stride]
+        strides = [t.stride(i) for t in tensors]
+        if sizes and all(outer == size * s for outer, s in zip(inner, strides, strict=True)):
+            sizes[-1] *= size
         else:
-            runs.append([size, stride])
-    d = t.shape[-1]
-    if len(runs) == 2:
-        return runs[0][0], runs[1][0], d
-    return math.prod(t.shape[:-1]), 1, d
+            sizes.append(size)
+        inner = strides
+    return sizes
 
 
-def _heads_view(t: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
-    t3 = t.reshape(shape)  # a view where the strides allow one
-    return t3 if _rows_apart(t3) else t3.contiguous()
-
-
-def _heads(t: torch.Tensor) -> torch.Tensor:
-    """The ``(G, H, D)`` view the backend's qk kernels take of ``t`` (already in stride order)."""
-    return _heads_view(t, _heads_shape(t))
+def _qk_views(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
+    """The ``(A, G, H, D)`` views the backend's qk kernels take of ``tensors`` (one shape, in stride order), and
+    their ``(A, G, H)``. A tensor whose rows are gathered or overlap (a broadcast gradient) is copied first."""
+    tensors = [t if _rows_apart(t) else t.contiguous() for t in tensors]
+    lead = _runs(tensors)
+    # More than three runs (5-D and wider layouts only) have no 4-D view: the most fragmented tensor is copied
+    # dense until the rest fit. Each copy reads and writes that tensor once more.
+    while len(lead) > 3:
+        worst = max(range(len(tensors)), key=lambda i: len(_runs(tensors[i : i + 1])))
+        tensors[worst] = tensors[worst].contiguous()
+        lead = _runs(tensors)
+    shape = (1,) * (3 - len(lead)) + tuple(lead)
+    return [t.view(*shape, t.shape[-1]) for t in tensors], shape
 
 
 def _qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode, backend):
@@ -94,8 +102,9 @@ def _qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode, backend):
     qo, ko = _in_order(q, orders[0]), _in_order(k, orders[1])
     fused = getattr(module, "qk_forward", None)
     if fused is not None and q.numel() > 0 and k.numel() > 0:
-        q3, k3 = _heads(qo), _heads(ko)
-        yq, yk, rq, rk = fused(q3, k3, _dense_weight(q_weight), _dense_weight(k_weight), eps, offset, casting_mode)
+        (q4,), _ = _qk_views([qo])
+        (k4,), _ = _qk_views([ko])
+        yq, yk, rq, rk = fused(q4, k4, _dense_weight(q_weight), _dense_weight(k_weight), eps, offset, casting_mode)
         outs = ((yq.view(qo.shape), rq), (yk.view(ko.shape), rk))
     else:  # no qk kernel, or an empty tensor: the plain norm on each
         outs = [_forward(t, w, eps, offset, casting_mode, backend) for t, w in ((qo, q_weight), (ko, k_weight))]
@@ -111,11 +120,11 @@ def _qk_backward(q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offse
     dqo, dko = _in_order(dq_out, orders[0]), _in_order(dk_out, orders[1])
     fused = getattr(module, "qk_backward", None)
     if fused is not None and q.numel() > 0 and k.numel() > 0:
-        sq, sk = _heads_shape(qo), _heads_shape(ko)
-        q3, dq3, k3, dk3 = _heads_view(qo, sq), _heads_view(dqo, sq), _heads_view(ko, sk), _heads_view(dko, sk)
+        (q4, dq4), sq = _qk_views([qo, dqo])
+        (k4, dk4), sk = _qk_views([ko, dko])
         wq, wk = _dense_weight(q_weight), _dense_weight(k_weight)
-        rq, rk = q_rstd.view(sq[:2]), k_rstd.view(sk[:2])
-        dq, dk, dwq, dwk = fused(q3, k3, dq3, dk3, wq, wk, rq, rk, offset, casting_mode)
+        rq, rk = q_rstd.view(sq), k_rstd.view(sk)
+        dq, dk, dwq, dwk = fused(q4, k4, dq4, dk4, wq, wk, rq, rk, offset, casting_mode)
         dq, dk = dq.view(qo.shape), dk.view(ko.shape)
     else:
         dq, dwq = _backward(qo, dqo, q_weight, q_rstd.view(qo.shape[:-1]), offset, casting_mode, backend)
@@ -232,10 +241,11 @@ def qk_rms_norm(
 
     ``q`` and ``k`` are ``(..., heads, head_dim)`` with one head dim ``D``, dtype and device; head counts
     and leading dims may differ (GQA). Any layout: contiguous ``(B, S, H, D)``, its ``(B, H, S, D)``
-    transpose, a slice of a fused qkv projection output are read in place; tensors without a 3-D
-    ``(G, H, D)`` view of dense rows are copied once. The outputs are dense with the inputs' dim order
-    (as ``q * 2`` would be): a transposed ``q`` gives a transposed ``q_out``, a qkv slice a compact one.
-    Weights are ``(D,)`` or None; other arguments as :func:`rms_norm`.
+    transpose, a slice of a fused qkv projection output, and output gradients in any of these layouts or
+    transposed back from a ``(B, H, S, D)`` consumer, are read in place; tensors whose rows are not dense or
+    overlap, and layouts of more than three strided leading dims, are copied once. The outputs are dense
+    with the inputs' dim order (as ``q * 2`` would be): a transposed ``q`` gives a transposed ``q_out``, a
+    qkv slice a compact one. Weights are ``(D,)`` or None; other arguments as :func:`rms_norm`.
 
     On the ``cutile`` backend both tensors take one launch forward and one backward (plus the dw
     reduction, one launch for both weights); other backends normalize each tensor with their plain norm.

@@ -1,10 +1,11 @@
 """The QK-norm host (:class:`tilegym_rms.dispatch.QKNormBackend`): q and k in one launch forward, one backward
-and the dw reduction, on 3-D ``(G, H, D)`` views with a dense last dim; in the batch-invariant mode the plain
+and the dw reduction, on 4-D ``(A, G, H, D)`` views with a dense last dim; in the batch-invariant mode the plain
 norm's launches on each."""
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,16 +19,22 @@ from .common import Launch, Target, make_launch, plain, target, weight_arg
 from .forward import forward
 
 
-def config_for(tgt: Target, m_q: int, m_k: int, d: int, dtype: torch.dtype) -> config.QKConfig:
-    """Tiles, grids and hints for ``m_q`` rows of q and ``m_k`` of k: the table's qk entry for their rows
-    together, else the heuristics."""
-    entry = tgt.table.lookup("qk", m_q + m_k, d, dtype) if tgt.table is not None else None
-    return config.qk_config(m_q, m_k, d, dtype, tgt.sms, entry)
+def config_for(tgt: Target, q_shape, k_shape, d: int, dtype: torch.dtype) -> config.QKConfig:
+    """Tiles, grids and hints for q and k viewed ``(A, G, H, D)`` (``q_shape``, ``k_shape``: their ``(A, G,
+    H)``): the table's qk entry for their rows together, else the heuristics."""
+    rows = math.prod(q_shape) + math.prod(k_shape)
+    entry = tgt.table.lookup("qk", rows, d, dtype) if tgt.table is not None else None
+    return config.qk_config(q_shape, k_shape, d, dtype, tgt.sms, entry)
 
 
-def forward_launch(tgt: Target, m_q, m_k, d, dtype, casting_mode, has_wq, has_wk) -> Launch:
-    cfg = config_for(tgt, m_q, m_k, d, dtype)
-    constants = (cfg.fwd_tile_m, cfg.tile_n, CASTING_CODES[casting_mode], has_wq, has_wk)
+def _tile_constants(tiles: config.QKTiles) -> tuple[int, int, int, int]:
+    """``(TILE_GQ, TILE_HQ, TILE_GK, TILE_HK)``."""
+    return (*tiles[0], *tiles[1])
+
+
+def forward_launch(tgt: Target, q_shape, k_shape, d, dtype, casting_mode, has_wq, has_wk) -> Launch:
+    cfg = config_for(tgt, q_shape, k_shape, d, dtype)
+    constants = (*_tile_constants(cfg.fwd_tiles), cfg.tile_n, CASTING_CODES[casting_mode], has_wq, has_wk)
     return make_launch(common.kernels().qk_rms_norm_fwd, (cfg.fwd_grid,), constants, cfg.fwd_hints)
 
 
@@ -43,9 +50,9 @@ class QKBackwardLaunches:
     one_reduction: bool
 
 
-def backward_launches(tgt: Target, m_q, m_k, d, dtype, has_wq, has_wk, one_reduction) -> QKBackwardLaunches:
-    cfg = config_for(tgt, m_q, m_k, d, dtype)
-    constants = (cfg.bwd_tile_m, cfg.tile_n, has_wq, has_wk)
+def backward_launches(tgt: Target, q_shape, k_shape, d, dtype, has_wq, has_wk, one_reduction) -> QKBackwardLaunches:
+    cfg = config_for(tgt, q_shape, k_shape, d, dtype)
+    constants = (*_tile_constants(cfg.bwd_tiles), cfg.tile_n, has_wq, has_wk)
     main = make_launch(common.kernels().qk_rms_norm_bwd, (cfg.bwd_grid,), constants, cfg.bwd_hints)
     if not (has_wq or has_wk):
         return QKBackwardLaunches(main, (1, 1, 1), None, False)
@@ -53,22 +60,13 @@ def backward_launches(tgt: Target, m_q, m_k, d, dtype, has_wq, has_wk, one_reduc
     return QKBackwardLaunches(main, (cfg.bwd_grid, 2, d), sums, one_reduction)
 
 
-def _tile_rows_along_dim0(*views):
-    """The kernels take row tiles along dim 0 of a ``(G, H, D)`` view. Where H > G (few, long groups: gaps
-    between batches only) every tile would hold G rows and pad the rest: the same rows are handed over as
-    ``(H, G, D)`` views instead (rstd too), which keeps the row order of the buffers."""
-    return tuple(v.transpose(0, 1) for v in views) if views[0].shape[1] > views[0].shape[0] else views
-
-
 def start_forward(fl: Launch, q, k, q_weight, k_weight, eps, offset, dev: int, launch) -> tuple:
     """``(q_out, k_out, q_rstd, k_rstd)``: allocates the outputs of the qk forward and launches it (see
     :mod:`.common`)."""
     yq, yk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    rq, rk = (t.new_empty(t.shape[:2], dtype=torch.float32) for t in (q, k))
-    qv, yqv, rqv = _tile_rows_along_dim0(plain(q), yq, rq)
-    kv, ykv, rkv = _tile_rows_along_dim0(plain(k), yk, rk)
-    args = (qv, kv, weight_arg(q_weight, q), weight_arg(k_weight, k), yqv, ykv, rqv, rkv, float(eps), float(offset),
-            *fl.constants)  # fmt: skip
+    rq, rk = (t.new_empty(t.shape[:3], dtype=torch.float32) for t in (q, k))
+    args = (plain(q), plain(k), weight_arg(q_weight, q), weight_arg(k_weight, k), yq, yk, rq, rk, float(eps),
+            float(offset), *fl.constants)  # fmt: skip
     launch(fl.kernel, fl.grid, args, dev, fl.hints, fl.built)
     return yq, yk, rq, rk
 
@@ -80,10 +78,8 @@ def start_backward(bl: QKBackwardLaunches, q, k, dq_out, dk_out, q_weight, k_wei
     dq, dk = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
     # A dummy keeps the signature when there is no weight (nothing is written to it then).
     dw_partial = q.new_empty(bl.partial_shape, dtype=torch.float32)
-    qv = _tile_rows_along_dim0(plain(dq_out), plain(q), q_rstd, dq)
-    kv = _tile_rows_along_dim0(plain(dk_out), plain(k), k_rstd, dk)
-    args = (qv[0], kv[0], qv[1], kv[1], weight_arg(q_weight, q), weight_arg(k_weight, k), qv[2], kv[2], qv[3], kv[3],
-            dw_partial, float(offset), *bl.main.constants)  # fmt: skip
+    args = (plain(dq_out), plain(dk_out), plain(q), plain(k), weight_arg(q_weight, q), weight_arg(k_weight, k),
+            q_rstd, k_rstd, dq, dk, dw_partial, float(offset), *bl.main.constants)  # fmt: skip
     launch(bl.main.kernel, bl.main.grid, args, dev, bl.main.hints, bl.main.built)
     if bl.reduce is None:
         return dq, dk, None, None
@@ -99,31 +95,32 @@ def start_backward(bl: QKBackwardLaunches, q, k, dq_out, dk_out, q_weight, k_wei
     return dq, dk, *dws
 
 
+# Keyed by the views' (A, G, H) shapes: the tiles split along G and H follow them.
 @functools.lru_cache(maxsize=4096)
-def cached_config(dev: int, m_q: int, m_k: int, d: int, dtype) -> config.QKConfig:
-    return config_for(target(dev), m_q, m_k, d, dtype)
-
-
-@functools.lru_cache(maxsize=4096)
-def cached_forward(dev: int, m_q, m_k, d, dtype, casting_mode, has_wq, has_wk) -> Launch:
-    return forward_launch(target(dev), m_q, m_k, d, dtype, casting_mode, has_wq, has_wk)
+def cached_config(dev: int, q_shape, k_shape, d: int, dtype) -> config.QKConfig:
+    return config_for(target(dev), q_shape, k_shape, d, dtype)
 
 
 @functools.lru_cache(maxsize=4096)
-def cached_backward(dev: int, m_q, m_k, d, dtype, has_wq, has_wk, one_reduction) -> QKBackwardLaunches:
-    return backward_launches(target(dev), m_q, m_k, d, dtype, has_wq, has_wk, one_reduction)
+def cached_forward(dev: int, q_shape, k_shape, d, dtype, casting_mode, has_wq, has_wk) -> Launch:
+    return forward_launch(target(dev), q_shape, k_shape, d, dtype, casting_mode, has_wq, has_wk)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_backward(dev: int, q_shape, k_shape, d, dtype, has_wq, has_wk, one_reduction) -> QKBackwardLaunches:
+    return backward_launches(target(dev), q_shape, k_shape, d, dtype, has_wq, has_wk, one_reduction)
 
 
 CACHES = (cached_config, cached_forward, cached_backward)
 
 
-def _rows(q, k) -> tuple[int, int]:
-    return q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]
+def _shapes(q, k) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    return tuple(q.shape[:3]), tuple(k.shape[:3])
 
 
-def _rows_of(t3: torch.Tensor) -> torch.Tensor:
-    """A ``(G, H, D)`` view as the ``(G * H, D)`` rows the plain norm takes (copied where no such view exists)."""
-    return t3.reshape(-1, t3.shape[2])
+def _rows_of(t4: torch.Tensor) -> torch.Tensor:
+    """An ``(A, G, H, D)`` view as the rows the plain norm takes (copied where no such view exists)."""
+    return t4.reshape(-1, t4.shape[3])
 
 
 def _invariant_forward(q, k, q_weight, k_weight, eps, offset, casting_mode):
@@ -132,7 +129,7 @@ def _invariant_forward(q, k, q_weight, k_weight, eps, offset, casting_mode):
     outs = []
     for t, w in ((q, q_weight), (k, k_weight)):
         y, rstd = forward(_rows_of(t), w, eps, offset, casting_mode)
-        outs += [y.view(t.shape), rstd.view(t.shape[:2])]
+        outs += [y.view(t.shape), rstd.view(t.shape[:3])]
     return outs[0], outs[2], outs[1], outs[3]
 
 
@@ -144,11 +141,11 @@ def _invariant_backward(q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd
 
 
 def qk_forward(q, k, q_weight, k_weight, eps, offset, casting_mode):
-    """``(q_out, k_out, q_rstd, k_rstd)`` for 3-D views; see :class:`tilegym_rms.dispatch.QKNormBackend`."""
+    """``(q_out, k_out, q_rstd, k_rstd)`` for 4-D views; see :class:`tilegym_rms.dispatch.QKNormBackend`."""
     if is_batch_invariant():
         return _invariant_forward(q, k, q_weight, k_weight, eps, offset, casting_mode)
     dev = q.get_device()
-    fl = cached_forward(dev, *_rows(q, k), q.shape[2], q.dtype, casting_mode, q_weight is not None,
+    fl = cached_forward(dev, *_shapes(q, k), q.shape[3], q.dtype, casting_mode, q_weight is not None,
                         k_weight is not None)  # fmt: skip
     return start_forward(fl, q, k, q_weight, k_weight, eps, offset, dev, common.launcher())
 
@@ -161,5 +158,5 @@ def qk_backward(q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset
     dev = q.get_device()
     has_wq, has_wk = q_weight is not None, k_weight is not None
     one_reduction = has_wq and has_wk and q_weight.dtype == k_weight.dtype
-    bl = cached_backward(dev, *_rows(q, k), q.shape[2], q.dtype, has_wq, has_wk, one_reduction)
+    bl = cached_backward(dev, *_shapes(q, k), q.shape[3], q.dtype, has_wq, has_wk, one_reduction)
     return start_backward(bl, q, k, dq_out, dk_out, q_weight, k_weight, q_rstd, k_rstd, offset, dev, common.launcher())

@@ -399,7 +399,7 @@ QK_SWEEP_HEADS = (16, 4)
 
 
 def qk_sweep_tokens(m_b: int) -> int:
-    """Tokens (groups G of the ``(G, H, D)`` views) whose q and k rows together fall in M bucket ``m_b``,
+    """Tokens (of ``(tokens, heads, D)`` tensors) whose q and k rows together fall in M bucket ``m_b``,
     or 0 where none do (fewer than 32 rows)."""
     tokens = m_b // sum(QK_SWEEP_HEADS)
     return tokens if tokens and m_bucket(tokens * sum(QK_SWEEP_HEADS)) == m_b else 0
