@@ -294,6 +294,7 @@ def test_backend_modules_satisfy_the_contract(name):
         dispatch.FusedAddBackend,
         dispatch.FusedAddBackwardBackend,
         dispatch.QKNormBackend,
+        dispatch.GatedBackend,
         dispatch.WorkspaceBackend,
     ):
         members = [m for m in vars(proto) if not m.startswith("_") and callable(getattr(proto, m))]

@@ -7,13 +7,14 @@ Triton), and a pure-torch reference on the CPU, all behind :func:`rms_norm`.
 from .batch_invariance import batch_invariant, is_batch_invariant, set_batch_invariant
 from .dispatch import BACKENDS, available_backends
 from .experimental import ExperimentalKernelWarning, experimental_kernel
-from .module import RMSNorm
+from .module import GatedRMSNorm, RMSNorm
 from .ops import (
     QKRMSNormFunction,
     RMSNormFunction,
     backward_workspace_bytes,
     fused_add_rms_norm,
     fused_add_rms_norm_,
+    gated_rms_norm,
     qk_rms_norm,
     rms_norm,
     rms_norm_backward,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "ExperimentalKernelWarning",
+    "GatedRMSNorm",
     "QKRMSNormFunction",
     "RMSNorm",
     "RMSNormFunction",
@@ -34,6 +36,7 @@ __all__ = [
     "experimental_kernel",
     "fused_add_rms_norm",
     "fused_add_rms_norm_",
+    "gated_rms_norm",
     "is_batch_invariant",
     "qk_rms_norm",
     "rms_norm",

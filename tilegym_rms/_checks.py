@@ -102,10 +102,12 @@ def _explain_weight(weight, x, n: int, names) -> None:
     )
 
 
-def check_dtype_for_backend(x, backend_name: str, supported) -> None:
+def check_dtype_for_backend(x, backend_name: str, supported, name: str = "x") -> None:
     if x.dtype not in supported:
         hint = " (use backend='torch' for float64)" if x.dtype == torch.float64 else ""
-        raise TypeError(f"backend {backend_name!r} supports x of dtype {_dtype_names(supported)}, got {x.dtype}{hint}")
+        raise TypeError(
+            f"backend {backend_name!r} supports {name} of dtype {_dtype_names(supported)}, got {x.dtype}{hint}"
+        )
 
 
 def check_like(name: str, t, x) -> None:
@@ -152,3 +154,21 @@ def check_qk_pair(q, k) -> None:
         raise TypeError(f"q and k must have one dtype, got q {q.dtype}, k {k.dtype}")
     if k.device != q.device:
         raise ValueError(f"q and k must be on one device, got q on {q.device}, k on {k.device}")
+
+
+def check_gated(x, z, group_size, norm_before_gate) -> None:
+    """The gate ``z`` beside ``x`` (its shape and device, any floating dtype), ``group_size`` (None or a positive
+    int dividing the last dim of ``x``) and ``norm_before_gate`` (a bool) of :func:`tilegym_rms.gated_rms_norm`."""
+    check_like("z", z, x)
+    check_group_size(group_size, x.shape[-1])
+    if not isinstance(norm_before_gate, bool):
+        raise TypeError(f"norm_before_gate must be True or False, got {type(norm_before_gate).__name__}")
+
+
+def check_group_size(group_size, n: int) -> None:
+    if group_size is None:
+        return
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size <= 0:
+        raise ValueError(f"group_size must be None or a positive int dividing the last dim ({n}), got {group_size!r}")
+    if n % group_size:
+        raise ValueError(f"group_size must divide the last dim ({n}) into groups, got {group_size}")

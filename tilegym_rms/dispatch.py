@@ -2,8 +2,8 @@
 
 A backend is a module satisfying :class:`Backend` (checked by ``tests/test_api.py``), plus, where it
 has them, the optional capabilities :class:`FusedAddBackend`, :class:`FusedAddBackwardBackend`,
-:class:`QKNormBackend` and
-:class:`WorkspaceBackend`.
+:class:`QKNormBackend`,
+:class:`GatedBackend` and :class:`WorkspaceBackend`.
 
 Selection (``backend=None``): ``TILEGYM_RMS_BACKEND`` if set; else by device: ``npu`` -> triton
 (triton-ascend), ``cuda`` -> cutile where it can run, else triton, else torch; ``cpu`` -> torch.
@@ -81,6 +81,22 @@ class QKNormBackend(Protocol):
         """``(dq, dk, dq_weight, dk_weight)``: contiguous ``(A, G, H, D)`` gradients in the input dtype (``dq_out``
         and ``dk_out`` are views of the shapes of ``q`` and ``k``, the rstd contiguous ``(A, G, H)``); each dw in
         its weight's dtype, or None without that weight."""
+
+
+@runtime_checkable
+class GatedBackend(Protocol):
+    """Optional: the gated norm (:func:`tilegym_rms.reference.gated_rms_norm_forward`) in one pass each way
+    (else :mod:`tilegym_rms.ops` runs the reference's torch math on the device). ``x``, ``z`` and ``dy`` arrive
+    as 2-D ``(M, N)`` views as in :class:`Backend`, ``z`` in any of ``SUPPORTED_DTYPES``; ``group_size``
+    divides ``N`` (``N`` itself for one group); ``rstd`` is ``(M, N // group_size)``."""
+
+    def gated_forward(self, x, z, weight, eps: float, offset: float, casting_mode: str, *, group_size: int,
+                      norm_before_gate: bool, store_rstd=True):  # fmt: skip
+        """``(y, rstd)``: ``y`` contiguous in x's dtype; ``rstd`` contiguous, None unless ``store_rstd``."""
+
+    def gated_backward(self, x, z, dy, weight, rstd, offset: float, casting_mode: str, *, group_size: int,
+                       norm_before_gate: bool):  # fmt: skip
+        """``(dx, dz, dw)``: contiguous, in x's, z's and the weight's dtype (``dw`` None without a weight)."""
 
 
 @runtime_checkable

@@ -1,4 +1,5 @@
-"""``RMSNorm``: a drop-in ``torch.nn.RMSNorm`` whose forward runs :func:`tilegym_rms.rms_norm`."""
+"""``RMSNorm``: a drop-in ``torch.nn.RMSNorm`` whose forward runs :func:`tilegym_rms.rms_norm`; ``GatedRMSNorm``,
+the gated norm of hybrid models, whose forward runs :func:`tilegym_rms.gated_rms_norm`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from . import _checks
 from .dispatch import check_backend_name
-from .ops import rms_norm
+from .ops import gated_rms_norm, rms_norm
 from .reference import DEFAULT_CASTING_MODE
 
 
@@ -67,3 +68,63 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, offset={self.offset}, casting_mode={self.casting_mode!r}"
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """The gated RMSNorm of hybrid models as a module: ``forward(x, z)`` runs :func:`tilegym_rms.gated_rms_norm`.
+
+    ``hidden_size`` is the normalized last dim; ``group_size``, ``norm_before_gate``, ``offset``,
+    ``casting_mode`` and ``backend`` as in that function. The weight (``(hidden_size,)``, without it when
+    ``elementwise_affine=False``) starts at ``1 - offset``, so that a fresh norm scales by 1.
+    """
+
+    def __init__(
+        self,
+        hidden_size,
+        eps=1e-6,
+        *,
+        group_size=None,
+        norm_before_gate=True,
+        elementwise_affine=True,
+        offset=0.0,
+        casting_mode=DEFAULT_CASTING_MODE,
+        backend=None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 0:
+            raise ValueError(f"hidden_size must be a non-negative int, got {hidden_size!r}")
+        _checks.check_group_size(group_size, hidden_size)
+        if not isinstance(norm_before_gate, bool):
+            raise TypeError(f"norm_before_gate must be True or False, got {type(norm_before_gate).__name__}")
+        offset = _checks.check_offset(offset)
+        if offset != 0 and not elementwise_affine:
+            raise ValueError("offset is added to the weight: it needs elementwise_affine=True")
+        _checks.check_casting_mode(casting_mode)
+        if backend is not None:
+            check_backend_name(backend)
+        self.hidden_size, self.eps, self.group_size = hidden_size, _checks.check_eps(eps), group_size
+        self.norm_before_gate, self.offset = norm_before_gate, offset
+        self.casting_mode, self.backend = casting_mode, backend
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.constant_(self.weight, 1.0 - self.offset)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(
+            x, z, self.weight, self.eps, group_size=self.group_size, norm_before_gate=self.norm_before_gate,
+            offset=self.offset, casting_mode=self.casting_mode, backend=self.backend,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
+            f"norm_before_gate={self.norm_before_gate}, offset={self.offset}, casting_mode={self.casting_mode!r}"
+        )

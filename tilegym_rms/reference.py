@@ -144,3 +144,136 @@ def fused_add_sum(x, residual):
     """``x + residual`` in the promoted dtype, stored in ``residual``'s dtype (the residual stream's)."""
     s = x + residual
     return s if s.dtype == residual.dtype else s.to(residual.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated RMSNorm (hybrid linear-attention / state-space models)
+#
+# ``s = silu(z)``. Norm before gate (Qwen3-Next): ``y = rms_norm(x) * w~ * s``. Gate before norm (Mamba2):
+# ``h = x * s``, then ``y = rms_norm(h) * w~``. Either way each group of ``group_size`` contiguous columns has
+# its own rstd (``group_size=None``: one group of the whole row). ``rstd`` has shape
+# ``x.shape[:-1] + (n_groups,)`` always, one group included, in compute_dtype(x.dtype).
+#
+# Roundings, as Hugging Face's gated classes place them (silu is taken in fp32 of the gate and never rounded):
+# * "llama" (Qwen3-Next, Mamba2, Bamba, NemotronH, GraniteMoeHybrid): ``x * s`` in fp32 (gate before norm), the
+#   normalized value rounded to x's dtype, times ``w~`` rounded to x's dtype (HF rounds to the weight's and x's
+#   promoted dtype: the same bits when the weight has x's dtype, as in HF models), then times ``s`` in fp32
+#   (norm before gate) and rounded once more.
+# * "gemma" / "torch" (FalconH1): fp32 throughout, one rounding at the end.
+# * "none": x's dtype wherever it cannot overflow: ``s`` and ``x * s`` in x's dtype, then the plain "none" norm
+#   and, norm before gate, the product with ``s`` rounded to x's dtype.
+# ----------------------------------------------------------------------------------------------
+
+
+def gated_groups(n: int, group_size) -> tuple[int, int]:
+    """``(n_groups, group_size)`` for a last dim of ``n``: ``group_size=None`` is one group of the row."""
+    if group_size is None:
+        return 1, n
+    return (n // group_size if group_size else 0), group_size
+
+
+def _grouped(t, n_groups: int, group_size: int):
+    return t.reshape(*t.shape[:-1], n_groups, group_size)
+
+
+def _silu_and_slope(z, acc):
+    """``silu(z)`` and its derivative ``sigmoid(z) * (1 + z * (1 - sigmoid(z)))``, in ``acc``."""
+    zf = z.to(acc)
+    sig = torch.sigmoid(zf)
+    return zf * sig, sig * (1 + zf * (1 - sig))
+
+
+def gated_rms_norm_forward(
+    x,
+    z,
+    weight=None,
+    eps=1e-6,
+    group_size=None,
+    norm_before_gate=True,
+    offset=0.0,
+    casting_mode=DEFAULT_CASTING_MODE,
+):
+    """Returns ``(y, rstd)``: ``y`` like ``x``; ``rstd`` of shape ``x.shape[:-1] + (n_groups,)``, fp32 (fp64
+    for fp64 ``x``). ``z`` (the gate) has ``x``'s shape and any floating dtype; ``group_size`` divides the
+    last dim (None: one group)."""
+    acc = compute_dtype(x.dtype)
+    n_groups, size = gated_groups(x.shape[-1], group_size)
+    w = effective_weight(weight, offset, acc)
+    if casting_mode == "none":
+        s = torch.nn.functional.silu(z.to(x.dtype))
+        h = _grouped(x if norm_before_gate else x * s, n_groups, size)
+        rstd = torch.rsqrt(_mean_square(h.to(acc)) + eps).to(x.dtype)
+        y = (h * rstd).reshape(x.shape)
+        if w is not None:
+            y = y * w.to(x.dtype)
+        return (y * s if norm_before_gate else y), rstd.squeeze(-1).to(acc)
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"casting_mode must be one of {CASTING_MODES}, got {casting_mode!r}")
+    s = _silu_and_slope(z, acc)[0]
+    h = _grouped(x.to(acc) if norm_before_gate else x.to(acc) * s, n_groups, size)
+    rstd = torch.rsqrt(_mean_square(h) + eps)
+    y = (h * rstd).reshape(x.shape)
+    if casting_mode == "llama":
+        y = y.to(x.dtype)
+        if w is not None:
+            y = (y.to(acc) * w).to(x.dtype)
+        y = y.to(acc)
+    elif w is not None:
+        if casting_mode == "torch":  # the weight product in the promoted dtype, as in rms_norm_forward
+            w = effective_weight(weight, offset, torch.promote_types(acc, weight.dtype))
+        y = y * w
+    if norm_before_gate:
+        y = y * s
+    return y.to(x.dtype), rstd.squeeze(-1)
+
+
+def _gated_backward(x, z, dy, weight, rstd, group_size, norm_before_gate, offset):
+    """``(dx, dz, dw)`` in the compute dtype (dw None without a weight), differentiable in every tensor."""
+    acc = compute_dtype(x.dtype)
+    n_groups, size = gated_groups(x.shape[-1], group_size)
+    xf, dyf = x.to(acc), dy.to(acc)
+    s, slope = _silu_and_slope(z, acc)
+    h = xf if norm_before_gate else xf * s
+    r = rstd.to(acc).unsqueeze(-1)
+    nhat = _grouped(h, n_groups, size) * r  # (..., n_groups, size)
+    nflat = nhat.reshape(x.shape)
+    w = effective_weight(weight, offset, acc)
+    dn = dyf * s if norm_before_gate else dyf  # the gradient of the normalized value times w~
+    per_row = dn * nflat  # dw's summands
+    if w is not None:
+        dn = dn * w
+    dng = _grouped(dn, n_groups, size)
+    dh = (r * (dng - nhat * (dng * nhat).sum(-1, keepdim=True) / max(size, 1))).reshape(x.shape)
+    if norm_before_gate:
+        y_pre = nflat if w is None else nflat * w
+        dx, dz = dh, dyf * y_pre * slope
+    else:
+        dx, dz = dh * s, dh * xf * slope
+    dw = None
+    if weight is not None:
+        dw = per_row.sum(tuple(range(x.dim() - 1))) if x.dim() > 1 else per_row
+    return dx, dz, dw
+
+
+def gated_rms_norm_backward(
+    x, z, dy, weight, rstd, group_size=None, norm_before_gate=True, offset=0.0, casting_mode=DEFAULT_CASTING_MODE
+):
+    """Returns ``(dx, dz, dw)`` for :func:`gated_rms_norm_forward`, each in its input's dtype (``dw`` None
+    without a weight): the exact derivative of the fp32 math; ``casting_mode``'s roundings pass gradients
+    through (as in :func:`rms_norm_backward`)."""
+    del casting_mode
+    dx, dz, dw = _gated_backward(x, z, dy, weight, rstd, group_size, norm_before_gate, offset)
+    return dx.to(x.dtype), dz.to(z.dtype), (dw.to(weight.dtype) if dw is not None else None)
+
+
+def gated_rms_norm_backward_differentiable(x, z, dy, weight, rstd, eps, group_size=None, norm_before_gate=True,
+                                           offset=0.0):  # fmt: skip
+    """:func:`gated_rms_norm_backward` as a function autograd can differentiate again: ``rstd`` is recomputed
+    from ``x`` and ``z`` (its value stays the saved one), as in :func:`rms_norm_backward_differentiable`."""
+    acc = compute_dtype(x.dtype)
+    n_groups, size = gated_groups(x.shape[-1], group_size)
+    h = x.to(acc) if norm_before_gate else x.to(acc) * _silu_and_slope(z, acc)[0]
+    live = torch.rsqrt(_mean_square(_grouped(h, n_groups, size)) + eps).squeeze(-1)
+    r = live + (rstd.to(acc) - live).detach()
+    dx, dz, dw = _gated_backward(x, z, dy, weight, r, group_size, norm_before_gate, offset)
+    return dx.to(x.dtype), dz.to(z.dtype), (dw.to(weight.dtype) if dw is not None else None)

@@ -1,8 +1,9 @@
 """Public functional API and its PyTorch wiring, one module per operation.
 
 :mod:`.norm` (``rms_norm`` and its standalone forward and backward), :mod:`.fused_add` (the residual add
-fused with the norm, in place or not), :mod:`.qk` (QK-norm and its layouts), on the shared plumbing of
-:mod:`.common` (row views, backend lookup, the eager forward and backward, ``WIRING``).
+fused with the norm, in place or not), :mod:`.qk` (QK-norm and its layouts), :mod:`.gated` (the gated norm of
+hybrid models), on the shared plumbing of :mod:`.common` (row views, backend lookup, the eager forward and
+backward, ``WIRING``).
 
 Eager calls go through :class:`RMSNormFunction` / :class:`FusedAddRMSNormFunction` /
 :class:`QKRMSNormFunction` (plain autograd Functions: the least host work per call). Under
@@ -19,17 +20,20 @@ backward).
 
 from .common import WIRING
 from .fused_add import FusedAddRMSNormFunction, fused_add_rms_norm, fused_add_rms_norm_
+from .gated import GatedRMSNormFunction, gated_rms_norm
 from .norm import RMSNormFunction, backward_workspace_bytes, rms_norm, rms_norm_backward, rms_norm_forward
 from .qk import QKRMSNormFunction, qk_rms_norm
 
 __all__ = [
     "WIRING",
     "FusedAddRMSNormFunction",
+    "GatedRMSNormFunction",
     "QKRMSNormFunction",
     "RMSNormFunction",
     "backward_workspace_bytes",
     "fused_add_rms_norm",
     "fused_add_rms_norm_",
+    "gated_rms_norm",
     "qk_rms_norm",
     "rms_norm",
     "rms_norm_backward",

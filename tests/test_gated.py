@@ -1,0 +1,329 @@
+"""The gated RMSNorm on the CPU: the reference against float64 restatements and Hugging Face's own classes,
+gradients, autograd, torch.compile, errors, empty and strided inputs."""
+
+import importlib
+
+import pytest
+import torch
+from conftest import rel_err
+
+import tilegym_rms
+from tilegym_rms import reference
+
+# (semantics, group size) pairs every model family uses: Qwen3-Next (one group, norm before gate), Mamba2
+# (groups, gate before norm), FalconH1 (groups, either order)
+LAYOUTS = [(True, None), (True, 4), (False, None), (False, 4)]
+
+
+def fp64_gated(x, z, w, eps, group_size, norm_before_gate, offset=0.0):
+    """The gated norm in float64, written out from the models' definitions."""
+    x, z = x.double(), z.double()
+    gate = z / (1 + torch.exp(-z))
+    h = x if norm_before_gate else x * gate
+    g = group_size or x.shape[-1]
+    hg = h.unflatten(-1, (x.shape[-1] // g, g))
+    y = (hg / torch.sqrt((hg * hg).mean(-1, keepdim=True) + eps)).flatten(-2)
+    if w is not None:
+        y = y * (offset + w.double())
+    return y * gate if norm_before_gate else y
+
+
+def hf_class(module, name):
+    return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+
+
+# Each HF gated class, how to build it for a width and group size, and the casting mode that rounds as it does.
+HF_CLASSES = {
+    "qwen3_next": (lambda n, g, nbg: hf_class("qwen3_next", "Qwen3NextRMSNormGated")(n, eps=1e-6), "llama"),
+    "mamba2": (lambda n, g, nbg: hf_class("mamba2", "MambaRMSNormGated")(n, group_size=g, eps=1e-6), "llama"),
+    "nemotron_h": (lambda n, g, nbg: hf_class("nemotron_h", "NemotronHRMSNormGated")(n, group_size=g), "llama"),
+    "falcon_h1": (
+        lambda n, g, nbg: hf_class("falcon_h1", "FalconH1RMSNormGated")(n, n_groups=n // g, norm_before_gate=nbg),
+        "gemma",
+    ),
+}
+HF_CASES = [
+    ("qwen3_next", True, None),
+    ("mamba2", False, 16),
+    ("mamba2", False, 64),
+    ("nemotron_h", False, 8),
+    ("falcon_h1", True, 16),
+    ("falcon_h1", False, 64),
+]
+
+
+@pytest.mark.parametrize("norm_before_gate,group_size", LAYOUTS)
+@pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_reference_forward_matches_fp64(norm_before_gate, group_size, casting_mode, dtype):
+    torch.manual_seed(0)
+    x, z = torch.randn(3, 5, 16, dtype=dtype), torch.randn(3, 5, 16, dtype=dtype)
+    w = torch.randn(16, dtype=dtype)
+    y, rstd = reference.gated_rms_norm_forward(x, z, w, 1e-5, group_size, norm_before_gate, 0.5, casting_mode)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float64: 1e-13}[dtype]
+    assert y.dtype == dtype and rel_err(y, fp64_gated(x, z, w, 1e-5, group_size, norm_before_gate, 0.5)) <= tol
+    groups = 16 // (group_size or 16)
+    assert rstd.shape == (3, 5, groups) and rstd.dtype == reference.compute_dtype(dtype)
+    h = x.double() if norm_before_gate else x.double() * torch.nn.functional.silu(z.double())
+    expected = torch.rsqrt(h.unflatten(-1, (groups, -1)).square().mean(-1) + 1e-5)
+    assert rel_err(rstd, expected) <= max(tol, 1e-6)
+
+
+@pytest.mark.parametrize("model,norm_before_gate,group_size", HF_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("gate_dtype", ["x", torch.float32])
+def test_reference_has_the_bits_of_each_hf_class(model, norm_before_gate, group_size, dtype, gate_dtype):
+    """Each HF class's forward, with its weight in the model's dtype, against the reference in the mode that
+    rounds as it does: bit for bit in 16 bits (in fp32 the sum of squares may round another way)."""
+    build, mode = HF_CLASSES[model]
+    n = 128
+    hf = build(n, group_size or n, norm_before_gate).to(dtype)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(n) * 0.5 + 1)
+    x = torch.randn(2, 9, n, dtype=dtype) * 3
+    z = torch.randn(2, 9, n, dtype=dtype if gate_dtype == "x" else gate_dtype)
+    with torch.no_grad():
+        expected = hf(x, z)
+    y, _ = reference.gated_rms_norm_forward(x, z, hf.weight.detach(), 1e-6, group_size, norm_before_gate, 0.0, mode)
+    out = tilegym_rms.gated_rms_norm(
+        x, z, hf.weight.detach(), 1e-6, group_size=group_size, norm_before_gate=norm_before_gate, casting_mode=mode
+    )
+    for result in (y, out):
+        assert result.dtype == expected.dtype
+        assert torch.equal(result, expected) if dtype != torch.float32 else rel_err(result, expected) <= 1e-6
+
+
+def test_llama_and_gemma_round_differently():
+    """The modes are not one rounding under two names: on bf16 they differ, and gemma is the closer to fp64."""
+    torch.manual_seed(2)
+    x, z, w = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(64, 256), torch.randn(256, dtype=torch.bfloat16)
+    exact = fp64_gated(x, z, w, 1e-6, None, True)
+    llama = reference.gated_rms_norm_forward(x, z, w, 1e-6, None, True, 0.0, "llama")[0]
+    gemma = reference.gated_rms_norm_forward(x, z, w, 1e-6, None, True, 0.0, "gemma")[0]
+    assert not torch.equal(llama, gemma)
+    assert rel_err(gemma, exact) < rel_err(llama, exact)
+
+
+@pytest.mark.parametrize("norm_before_gate,group_size", LAYOUTS)
+@pytest.mark.parametrize("weight,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])
+def test_backward_matches_fp64_autograd(norm_before_gate, group_size, weight, offset):
+    torch.manual_seed(3)
+    x = torch.randn(4, 3, 12 if group_size is None else 16, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(x.shape, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(x.shape[-1], dtype=torch.float64, requires_grad=True) if weight else None
+    dy = torch.randn(x.shape, dtype=torch.float64)
+    fp64_gated(x, z, w, 1e-5, group_size, norm_before_gate, offset).backward(dy)
+    xd, zd, wd = x.detach(), z.detach(), (w.detach() if weight else None)
+    _, rstd = reference.gated_rms_norm_forward(xd, zd, wd, 1e-5, group_size, norm_before_gate, offset, "gemma")
+    dx, dz, dw = reference.gated_rms_norm_backward(xd, zd, dy, wd, rstd, group_size, norm_before_gate, offset)
+    assert rel_err(dx, x.grad) <= 1e-12 and rel_err(dz, z.grad) <= 1e-12
+    assert (dw is None) if not weight else rel_err(dw, w.grad) <= 1e-12
+
+
+@pytest.mark.parametrize("norm_before_gate,group_size", LAYOUTS)
+def test_gradcheck_and_double_backward(norm_before_gate, group_size):
+    torch.manual_seed(4)
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, z, w):
+        return tilegym_rms.gated_rms_norm(x, z, w, 1e-5, group_size=group_size, norm_before_gate=norm_before_gate)
+
+    assert torch.autograd.gradcheck(fn, (x, z, w))
+    assert torch.autograd.gradgradcheck(fn, (x, z, w))
+
+
+@pytest.mark.parametrize("norm_before_gate,group_size", LAYOUTS)
+def test_compile_fullgraph_matches_eager(norm_before_gate, group_size):
+    torch.manual_seed(5)
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)
+    z = torch.randn(2, 5, 16, requires_grad=True)
+    w = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)
+    kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, casting_mode="llama")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, z, w: tilegym_rms.gated_rms_norm(x, z, w, **kw), fullgraph=True)
+    dy = torch.randn(x.shape, dtype=torch.bfloat16)
+    outs = []
+    for f in (lambda x, z, w: tilegym_rms.gated_rms_norm(x, z, w, **kw), compiled):
+        y = f(x, z, w)
+        outs.append((y, *torch.autograd.grad(y, (x, z, w), dy)))
+    for eager, comp in zip(*outs, strict=True):
+        assert torch.equal(eager, comp)
+
+
+def test_gradients_and_dtypes_through_autograd():
+    """A 16-bit x with an fp32 gate: each gradient in its input's dtype, against the fp64 formula."""
+    torch.manual_seed(6)
+    x = torch.randn(7, 32, dtype=torch.bfloat16, requires_grad=True)
+    z = torch.randn(7, 32, requires_grad=True)
+    w = torch.randn(32, dtype=torch.bfloat16, requires_grad=True)
+    y = tilegym_rms.gated_rms_norm(x, z, w, group_size=8, norm_before_gate=False)
+    dy = torch.randn(7, 32, dtype=torch.bfloat16)
+    y.backward(dy)
+    xd, zd, wd = (t.detach().double().requires_grad_() for t in (x, z, w))
+    fp64_gated(xd, zd, wd, 1e-6, 8, False).backward(dy.double())
+    assert (x.grad.dtype, z.grad.dtype, w.grad.dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
+    assert rel_err(x.grad, xd.grad) <= 1e-2 and rel_err(z.grad, zd.grad) <= 1e-2 and rel_err(w.grad, wd.grad) <= 1e-2
+
+
+def test_strided_inputs_and_leading_dims():
+    torch.manual_seed(7)
+    base = torch.randn(6, 4, 2, 16, dtype=torch.float64)
+    x = base.transpose(0, 1)[..., 0, :]  # (4, 6, 16), rows not dense
+    z = torch.randn(16, 6, 4, dtype=torch.float64).permute(2, 1, 0)  # last dim strided
+    w = torch.randn(16, dtype=torch.float64)
+    x.requires_grad_(), z.requires_grad_()
+    y = tilegym_rms.gated_rms_norm(x, z, w, group_size=4, norm_before_gate=False)
+    assert y.shape == x.shape and y.is_contiguous()
+    assert rel_err(y, fp64_gated(x, z, w, 1e-6, 4, False)) <= 1e-13
+    y.sum().backward()
+    assert x.grad.shape == x.shape and z.grad.shape == z.shape
+
+
+@pytest.mark.parametrize("shape,group_size", [((0, 8), None), ((0, 8), 4), ((3, 0), None), ((2, 0, 8), 2)])
+def test_empty_inputs(shape, group_size):
+    x = torch.randn(shape, requires_grad=True)
+    z = torch.randn(shape, requires_grad=True)
+    w = torch.randn(shape[-1], requires_grad=True)
+    y = tilegym_rms.gated_rms_norm(x, z, w, group_size=group_size)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape and z.grad.shape == z.shape
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    _, rstd = reference.gated_rms_norm_forward(x.detach(), z.detach(), None, 1e-6, group_size)
+    assert rstd.shape == (*shape[:-1], 1 if group_size is None else shape[-1] // group_size)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(z=torch.randn(4, 6)), ValueError, r"z must have the shape of x \(4, 8\), got \(4, 6\)"),
+        (dict(z=torch.ones(4, 8, dtype=torch.int32)), TypeError, "z must be a floating-point tensor"),
+        (dict(z=torch.randn(4, 8, device="meta")), ValueError, "z must be on the device of x"),
+        (dict(group_size=3), ValueError, r"group_size must divide the last dim \(8\) into groups, got 3"),
+        (dict(group_size=0), ValueError, "group_size must be None or a positive int dividing the last dim"),
+        (dict(group_size=True), ValueError, "group_size must be None or a positive int"),
+        (dict(norm_before_gate=1), TypeError, "norm_before_gate must be True or False, got int"),
+        (dict(casting_mode="fp8"), ValueError, "casting_mode must be one of"),
+        (dict(weight=torch.ones(4)), ValueError, r"weight must have shape \(8,\)"),
+    ],
+)
+def test_errors(kwargs, error, match):
+    args = dict(x=torch.randn(4, 8), z=torch.randn(4, 8), weight=None)
+    args.update(kwargs)
+    x, z, weight = args.pop("x"), args.pop("z"), args.pop("weight")
+    with pytest.raises(error, match=match):
+        tilegym_rms.gated_rms_norm(x, z, weight, **args)
+
+
+def test_module_matches_the_function_and_checks_where_it_is_built():
+    torch.manual_seed(8)
+    norm = tilegym_rms.GatedRMSNorm(16, eps=1e-5, group_size=8, norm_before_gate=False, casting_mode="llama")
+    assert torch.equal(norm.weight.detach(), torch.ones(16))
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, z = torch.randn(3, 16), torch.randn(3, 16)
+    expected = tilegym_rms.gated_rms_norm(
+        x, z, norm.weight, 1e-5, group_size=8, norm_before_gate=False, casting_mode="llama"
+    )
+    assert torch.equal(norm(x, z), expected)
+    assert tilegym_rms.GatedRMSNorm(16, offset=1.0).weight.detach().eq(0).all()
+    assert tilegym_rms.GatedRMSNorm(16, elementwise_affine=False).weight is None
+    with pytest.raises(ValueError, match=r"group_size must divide the last dim \(16\) into groups, got 5"):
+        tilegym_rms.GatedRMSNorm(16, group_size=5)
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        tilegym_rms.GatedRMSNorm(16, backend="cuda")
+
+
+# ------------------------------------------------------------------------------------------------
+# cuTile host plumbing on the CPU: the kernels replaced by torch emulations of their contract
+# ------------------------------------------------------------------------------------------------
+
+
+def _emulated_launch(calls):
+    from tilegym_rms.experimental import kernel_name
+
+    def launch(kernel, grid, args, dev, hints=(), built=None):
+        name = kernel_name(kernel)
+        calls.append(name)
+        if name == "gated_rms_norm_fwd":
+            x, z, w, y, rstd, eps, offset, _tm, tile_g, tile_s, cast, has_w, nbg, store = args
+            m, groups, size = x.shape
+            assert grid[1] == -(-groups // tile_g) and size <= tile_s < 2 * size
+            mode = reference.KERNEL_CASTING_MODES[cast]
+            weight = w.reshape(-1) if has_w else None
+            out, r = reference.gated_rms_norm_forward(
+                x.reshape(m, -1), z.reshape(m, -1), weight, eps, size, nbg, offset, mode
+            )
+            y.copy_(out.view(y.shape))
+            if store:
+                rstd.copy_(r)
+        elif name == "gated_rms_norm_bwd":
+            dy, x, z, w, rstd, dx, dz, partial, offset, _tm, _tg, _ts, has_w, nbg = args
+            m, groups, size = x.shape
+            weight = w.reshape(-1) if has_w else None
+            flat = [t.reshape(m, -1) for t in (x, z, dy)]
+            gx, gz, dw = reference.gated_rms_norm_backward(flat[0], flat[1], flat[2], weight, rstd, size, nbg, offset)
+            dx.copy_(gx.view(dx.shape))
+            dz.copy_(gz.view(dz.shape))
+            if has_w:  # spread over the partial rows, one per block of grid axis 0
+                assert partial.shape == (grid[0], groups, size)
+                partial.copy_((dw.float() / grid[0]).view(1, groups, size).expand_as(partial))
+        else:
+            assert name == "rms_norm_dw_reduce"
+            args[1].copy_(args[0].sum(0))
+
+    return launch
+
+
+@pytest.fixture
+def emulated_cutile(monkeypatch):
+    """The cuTile host with its kernels emulated on a 4-SM device without a tuning table: the names of the
+    kernels launched."""
+    pytest.importorskip("cuda.tile")
+    from tilegym_rms import cutile
+    from tilegym_rms.cutile import launch, tuning
+    from tilegym_rms.cutile.host import common
+
+    calls = []
+    monkeypatch.setattr(cutile, "available", lambda device: (True, ""))
+    monkeypatch.setattr(launch, "num_sms", lambda index: 4)
+    monkeypatch.setattr(tuning, "table_for", lambda index: None)
+    monkeypatch.setattr(common, "launcher", lambda: _emulated_launch(calls))
+    cutile.clear_caches()
+    yield calls
+    cutile.clear_caches()
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize(
+    "n,group_size,weight", [(96, None, True), (96, 32, True), (120, 40, False), (3 * 512, 512, True)]
+)
+def test_cutile_host_views_and_partial_buffer(emulated_cutile, norm_before_gate, n, group_size, weight):
+    """The host's (M, G, S) views, rstd, grids and dw partial buffer, on row-strided x and a strided fp32 gate:
+    the results of the reference on the whole call."""
+    torch.manual_seed(9)
+    x = torch.randn(3, 7, n + 8, dtype=torch.bfloat16)[..., :n].requires_grad_()
+    z = torch.randn(n, 3, 7).permute(1, 2, 0).requires_grad_()
+    w = torch.randn(n, dtype=torch.bfloat16, requires_grad=True) if weight else None
+    kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, casting_mode="llama")
+    y = tilegym_rms.gated_rms_norm(x, z, w, 1e-5, backend="cutile", **kw)
+    dy = torch.randn(y.shape, dtype=y.dtype)
+    grads = torch.autograd.grad(y, [t for t in (x, z, w) if t is not None], dy)
+    expected = tilegym_rms.gated_rms_norm(x, z, w, 1e-5, backend="torch", **kw)
+    expected_grads = torch.autograd.grad(expected, [t for t in (x, z, w) if t is not None], dy)
+    assert torch.equal(y, expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert got.dtype == want.dtype and rel_err(got, want) <= 1e-6
+    assert emulated_cutile == ["gated_rms_norm_fwd", "gated_rms_norm_bwd"] + ["rms_norm_dw_reduce"] * weight
+
+
+def test_cutile_host_runs_groups_wider_than_its_tiles_in_torch(emulated_cutile):
+    x, z = torch.randn(2, 20000), torch.randn(2, 20000)
+    y = tilegym_rms.gated_rms_norm(x, z, backend="cutile")
+    assert emulated_cutile == []
+    assert rel_err(y, fp64_gated(x, z, None, 1e-6, None, True)) <= 1e-6
+    y = tilegym_rms.gated_rms_norm(x, z, group_size=10000, backend="cutile")
+    assert emulated_cutile == ["gated_rms_norm_fwd"]
