@@ -14,10 +14,12 @@ from .ops import (
     backward_workspace_bytes,
     fused_add_rms_norm,
     fused_add_rms_norm_,
+    fused_add_rms_norm_fp8,
     qk_rms_norm,
     rms_norm,
     rms_norm_backward,
     rms_norm_forward,
+    rms_norm_fp8,
 )
 
 __version__ = "0.1.0"
@@ -34,11 +36,13 @@ __all__ = [
     "experimental_kernel",
     "fused_add_rms_norm",
     "fused_add_rms_norm_",
+    "fused_add_rms_norm_fp8",
     "is_batch_invariant",
     "qk_rms_norm",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",
+    "rms_norm_fp8",
     "set_batch_invariant",
     "__version__",
 ]

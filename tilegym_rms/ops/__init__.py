@@ -1,8 +1,9 @@
 """Public functional API and its PyTorch wiring, one module per operation.
 
 :mod:`.norm` (``rms_norm`` and its standalone forward and backward), :mod:`.fused_add` (the residual add
-fused with the norm, in place or not), :mod:`.qk` (QK-norm and its layouts), on the shared plumbing of
-:mod:`.common` (row views, backend lookup, the eager forward and backward, ``WIRING``).
+fused with the norm, in place or not), :mod:`.qk` (QK-norm and its layouts), :mod:`.fp8` (the norm and the
+fused add with FP8 output, for serving, inference only), on the shared plumbing of :mod:`.common` (row
+views, backend lookup, the eager forward and backward, ``WIRING``).
 
 Eager calls go through :class:`RMSNormFunction` / :class:`FusedAddRMSNormFunction` /
 :class:`QKRMSNormFunction` (plain autograd Functions: the least host work per call). Under
@@ -18,6 +19,7 @@ backward).
 """
 
 from .common import WIRING
+from .fp8 import fused_add_rms_norm_fp8, rms_norm_fp8
 from .fused_add import FusedAddRMSNormFunction, fused_add_rms_norm, fused_add_rms_norm_
 from .norm import RMSNormFunction, backward_workspace_bytes, rms_norm, rms_norm_backward, rms_norm_forward
 from .qk import QKRMSNormFunction, qk_rms_norm
@@ -30,8 +32,10 @@ __all__ = [
     "backward_workspace_bytes",
     "fused_add_rms_norm",
     "fused_add_rms_norm_",
+    "fused_add_rms_norm_fp8",
     "qk_rms_norm",
     "rms_norm",
+    "rms_norm_fp8",
     "rms_norm_backward",
     "rms_norm_forward",
 ]
