@@ -28,6 +28,7 @@ def test_variants_cover_every_kernel():
         "qk_rms_norm_bwd",
         "gated_rms_norm_fwd",
         "gated_rms_norm_bwd",
+        "rms_norm_fp8_fwd",
     }
     assert names == launched
     assert all(hasattr(kernels, n) for n in names)
@@ -113,18 +114,6 @@ def test_qk_variants_cover_the_head_dims_and_both_kernels():
     assert set(qk) <= set(aot.variants())  # the full check compiles them too
 
 
-@pytest.mark.exhaustive
-@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
-def test_qk_variants_compile(arch):
-    """Only the qk variants, for work on the qk kernels (a few minutes, the full check about twenty):
-    `pytest tests/test_aot.py -m exhaustive -k qk`."""
-    out = io.StringIO()
-    only = aot.qk_variants()
-    failures = aot.run((arch,), jobs=4, out=out, only=only)
-    assert failures == 0, out.getvalue()
-    assert f"{len(only)} compiled, 0 failed" in out.getvalue()
-
-
 def test_gated_variants_cover_the_tile_classes_and_axes():
     """The gated variants reach each group tile of GATED_SHAPES (a padded group, groups padded to a power of two
     in count), both orders of norm and gate, every casting mode, the no-weight and no-rstd forward, and an fp32
@@ -148,13 +137,35 @@ def test_gated_variants_cover_the_tile_classes_and_axes():
     assert set(gated) <= set(aot.variants())  # the full check compiles them too
 
 
+def test_fp8_variants_cover_every_quantization_mode_and_switch():
+    """Each quantization mode at one row per tile and at several, and each switch of the FP8 kernel."""
+    from tilegym_rms.cutile.host import fp8
+
+    vs = aot.fp8_variants()
+    assert {v.kernel_name for v in vs} == {"rms_norm_fp8_fwd"}
+    consts = [v.constants() for v in vs]
+    modes = {(c["QUANT"], c["GROUP"]) for c in consts}
+    assert modes == {(fp8.QUANT_STATIC, 1), (fp8.QUANT_TOKEN, 1), (fp8.QUANT_GROUP, 64), (fp8.QUANT_GROUP, 128)}
+    for mode in modes:
+        assert {c["TILE_M"] > 1 for c in consts if (c["QUANT"], c["GROUP"]) == mode} == {True, False}, mode
+    for switch in ("HAS_UB", "UE8M0", "HAS_W"):
+        assert {c[switch] for c in consts} == {True, False}, switch
+    assert {c["ADD"] for c in consts} == {0, 1}
+    assert {c["CAST"] for c in consts} == set(CASTING_CODES.values())
+    out_dtypes = {v.params[2][1] for v in vs}  # y_q
+    assert out_dtypes == {torch.float8_e4m3fn, torch.float8_e5m2}
+    assert set(vs) <= set(aot.variants())
+
+
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
-def test_gated_variants_compile(arch):
-    """Only the gated variants: `pytest tests/test_aot.py -m exhaustive -k gated`."""
+@pytest.mark.parametrize("op", ["qk", "gated", "fp8"])
+def test_op_variants_compile(op, arch):
+    """Only one op's variants, for work on its kernels (a few minutes; the full check about twenty):
+    `pytest tests/test_aot.py -m exhaustive -k qk` (or gated, fp8)."""
     out = io.StringIO()
-    only = aot.gated_variants()
-    failures = aot.run((arch,), jobs=2, out=out, only=only)
+    only = getattr(aot, f"{op}_variants")()
+    failures = aot.run((arch,), jobs=4, out=out, only=only)
     assert failures == 0, out.getvalue()
     assert f"{len(only)} compiled, 0 failed" in out.getvalue()
 

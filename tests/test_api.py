@@ -296,6 +296,7 @@ def test_backend_modules_satisfy_the_contract(name):
         dispatch.QKNormBackend,
         dispatch.GatedBackend,
         dispatch.WorkspaceBackend,
+        dispatch.FP8Backend,
     ):
         members = [m for m in vars(proto) if not m.startswith("_") and callable(getattr(proto, m))]
         if proto is not dispatch.Backend and not isinstance(module, proto):

@@ -20,7 +20,7 @@ import tilegym_rms
 from tilegym_rms import reference
 
 PROBES = 16  # probe rows per check: a sum taken in another order changes only some rows' bits
-_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,13 @@ from .ops import (
     backward_workspace_bytes,
     fused_add_rms_norm,
     fused_add_rms_norm_,
+    fused_add_rms_norm_fp8,
     gated_rms_norm,
     qk_rms_norm,
     rms_norm,
     rms_norm_backward,
     rms_norm_forward,
+    rms_norm_fp8,
 )
 
 __version__ = "0.1.0"
@@ -37,11 +39,13 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_add_rms_norm_",
     "gated_rms_norm",
+    "fused_add_rms_norm_fp8",
     "is_batch_invariant",
     "qk_rms_norm",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",
+    "rms_norm_fp8",
     "set_batch_invariant",
     "__version__",
 ]

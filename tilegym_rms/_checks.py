@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from .reference import CASTING_MODES, FUSED_ADD_MODES, compute_dtype
+from .reference import CASTING_MODES, FP8_DTYPES, FP8_GROUP_SIZES, FUSED_ADD_MODES, compute_dtype
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -172,3 +172,29 @@ def check_group_size(group_size, n: int) -> None:
         raise ValueError(f"group_size must be None or a positive int dividing the last dim ({n}), got {group_size!r}")
     if n % group_size:
         raise ValueError(f"group_size must divide the last dim ({n}) into groups, got {group_size}")
+
+
+def check_fp8_args(x, scale, group_size, scale_ub, out_dtype, use_ue8m0) -> None:
+    """The quantization arguments of :func:`tilegym_rms.rms_norm_fp8` (and the fused add's)."""
+    if out_dtype not in FP8_DTYPES:
+        raise TypeError(f"out_dtype must be one of {_dtype_names(FP8_DTYPES)}, got {out_dtype}")
+    for name, t in (("scale", scale), ("scale_ub", scale_ub)):
+        if t is not None and (
+            not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32 or t.device != x.device
+        ):
+            got = (
+                f"{t.dtype} of {t.numel()} elements on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            )
+            raise ValueError(f"{name} must be a one-element float32 tensor on the device of x ({x.device}), got {got}")
+    if group_size is not None and (type(group_size) is not int or group_size not in FP8_GROUP_SIZES):
+        raise ValueError(f"group_size must be None (one scale per row) or one of {FP8_GROUP_SIZES}, got {group_size!r}")
+    if not isinstance(use_ue8m0, bool):
+        raise TypeError(f"use_ue8m0 must be True or False, got {use_ue8m0!r}")
+    if scale is not None:
+        given = [
+            name for name, v in (("group_size", group_size), ("scale_ub", scale_ub), ("use_ue8m0", use_ue8m0)) if v
+        ]
+        if given:
+            raise ValueError(f"{given[0]} applies to dynamic scales; with a static scale it must be left unset")
+    elif scale_ub is not None and group_size is not None:
+        raise ValueError("scale_ub bounds per-row scales; with group_size it must be None")

@@ -3,7 +3,7 @@
 A backend is a module satisfying :class:`Backend` (checked by ``tests/test_api.py``), plus, where it
 has them, the optional capabilities :class:`FusedAddBackend`, :class:`FusedAddBackwardBackend`,
 :class:`QKNormBackend`,
-:class:`GatedBackend` and :class:`WorkspaceBackend`.
+:class:`GatedBackend`, :class:`FP8Backend` and :class:`WorkspaceBackend`.
 
 Selection (``backend=None``): ``TILEGYM_RMS_BACKEND`` if set; else by device: ``npu`` -> triton
 (triton-ascend), ``cuda`` -> cutile where it can run, else triton, else torch; ``cpu`` -> torch.
@@ -105,6 +105,22 @@ class WorkspaceBackend(Protocol):
 
     def backward_workspace_bytes(self, m: int, n: int, dtype: torch.dtype, device: torch.device) -> int:
         """Bytes the backward of an ``(m, n)`` input allocates besides its outputs."""
+
+
+@runtime_checkable
+class FP8Backend(Protocol):
+    """Optional: the norm, or the fused add, with its output quantized to fp8 in one pass (else
+    :mod:`tilegym_rms.ops` runs the norm, then :func:`tilegym_rms.reference.quantize_fp8`). Inference only."""
+
+    FP8_MAX_N: int  # the widest row it takes; wider rows take the unfused path
+
+    def fp8_forward(self, x, residual, weight, eps: float, offset: float, casting_mode: str, *, out_dtype, scale,
+                    group_size, scale_ub, use_ue8m0):  # fmt: skip
+        """``(y_q, scales)`` of :func:`tilegym_rms.reference.rms_norm_fp8_reference` for a 2-D ``x`` (and ``residual``
+        of its shape, or None) with a dense last dim: ``y_q`` contiguous in ``out_dtype``; ``scales`` None for a
+        static ``scale``, else fp32 ``(M, 1)`` per row or ``(M, cdiv(N, group_size))`` per group. With ``residual``
+        the sum is written over it (its rows dense). ``scale`` and ``scale_ub`` are None or one-element fp32
+        tensors on x's device."""
 
 
 BACKENDS = ("cutile", "triton", "torch")

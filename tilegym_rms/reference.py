@@ -277,3 +277,117 @@ def gated_rms_norm_backward_differentiable(x, z, dy, weight, rstd, eps, group_si
     r = live + (rstd.to(acc) - live).detach()
     dx, dz, dw = _gated_backward(x, z, dy, weight, r, group_size, norm_before_gate, offset)
     return dx.to(x.dtype), dz.to(z.dtype), (dw.to(weight.dtype) if dw is not None else None)
+
+
+# FP8 output: the norm's y quantized for an FP8 GEMM (rms_norm_fp8, fused_add_rms_norm_fp8)
+# ----------------------------------------------------------------------------------------------
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_GROUP_SIZES = (64, 128)
+# The floor of a dynamic scale's amax, so that an all-zero row or group gets a finite scale: vLLM's per-token
+# minimum scale 1 / (fp8_max * 512) is amax >= 1/512 before the division; per_token_group_quant_fp8 clamps amax
+# at its eps, 1e-10. Both then divide by fp8_max (division is monotonic: clamping before or after is the same).
+FP8_TOKEN_AMAX_FLOOR = 1.0 / 512.0
+FP8_GROUP_AMAX_FLOOR = 1e-10
+
+
+def fp8_amax_floor(group_size) -> float:
+    """The floor of a dynamic scale's amax: per token (``group_size`` None) or per group."""
+    return FP8_TOKEN_AMAX_FLOOR if group_size is None else FP8_GROUP_AMAX_FLOOR
+
+
+def fp8_scale_shape(shape, group_size) -> tuple:
+    """The shape of the dynamic scales of a ``shape`` input: ``(..., 1)`` per token, ``(..., cdiv(N, group_size))``
+    per group (row-major: a row's group scales side by side)."""
+    n = shape[-1]
+    return (*shape[:-1], 1 if group_size is None else -(-n // group_size))
+
+
+def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ``>= s`` for positive normal fp32 ``s`` (a UE8M0 scale), exactly; NaN stays NaN.
+    Adding a mantissa's worth of ones carries into the exponent unless the mantissa is zero (already a power)."""
+    bits = (s.view(torch.int32) + 0x7FFFFF) & 0x7F800000
+    return torch.where(torch.isnan(s), s, bits.view(torch.float32))
+
+
+def quantize_fp8(y, *, scale=None, group_size=None, scale_ub=None, out_dtype=torch.float8_e4m3fn, use_ue8m0=False):
+    """``(y_q, scales)``: ``y`` quantized to ``out_dtype`` with fp32 scales, as vLLM quantizes a norm's output.
+
+    * ``scale`` (a one-element fp32 tensor): static per-tensor, ``y_q = saturate(y / scale)``; ``scales`` is
+      ``scale``.
+    * otherwise dynamic: ``scale = max(min(amax(|y|), scale_ub), floor) / fp8_max`` per row (``scales`` shaped
+      ``(..., 1)``, ``floor`` = 1/512: vLLM's minimum scale ``1 / (fp8_max * 512)``) or per group of
+      ``group_size`` columns (``(..., cdiv(N, group_size))``, ``floor`` = 1e-10 as ``per_token_group_quant_fp8``;
+      a last group narrower than ``group_size`` covers the row's remaining columns), in fp32; ``use_ue8m0``
+      rounds each scale up to a power of two (:func:`pow2_ceil`).
+
+    ``saturate`` clamps to ``[-fp8_max, fp8_max]`` before the round to nearest even, so no finite value becomes
+    infinite or NaN. NaN propagates: a NaN in a row (a group) makes its scale NaN and every element it scales NaN.
+    """
+    fp8_max = torch.finfo(out_dtype).max
+    yf = y.float()
+    if scale is not None:
+        s = scale.float().reshape(())
+    elif group_size is None:
+        # A row of no elements has amax 0 (as its mean square, see _mean_square); torch's amax refuses it.
+        amax = yf.abs().amax(-1, keepdim=True) if yf.shape[-1] else yf.new_zeros((*yf.shape[:-1], 1))
+        s = _fp8_dynamic_scale(amax, scale_ub, FP8_TOKEN_AMAX_FLOOR, fp8_max, use_ue8m0)
+    else:
+        n = yf.shape[-1]
+        groups = -(-n // group_size)
+        padded = torch.nn.functional.pad(yf, (0, groups * group_size - n))  # zeros never raise an amax
+        amax = padded.unflatten(-1, (groups, group_size)).abs().amax(-1)
+        s = _fp8_dynamic_scale(amax, scale_ub, FP8_GROUP_AMAX_FLOOR, fp8_max, use_ue8m0)
+    per_element = s if group_size is None or scale is not None else s.repeat_interleave(group_size, -1)[..., :n]
+    y_q = (yf / per_element).clamp(-fp8_max, fp8_max).to(out_dtype)
+    return y_q, (scale if scale is not None else s)
+
+
+def _fp8_dynamic_scale(amax, scale_ub, floor, fp8_max, use_ue8m0):
+    if scale_ub is not None:
+        amax = torch.minimum(amax, scale_ub.float().reshape(()))
+    s = amax.clamp(min=floor) / fp8_max  # clamp and minimum propagate NaN
+    return pow2_ceil(s) if use_ue8m0 else s
+
+
+def rms_norm_fp8_reference(
+    x,
+    weight=None,
+    eps=1e-6,
+    *,
+    residual=None,
+    scale=None,
+    group_size=None,
+    scale_ub=None,
+    out_dtype=torch.float8_e4m3fn,
+    use_ue8m0=False,
+    offset=0.0,
+    casting_mode=DEFAULT_CASTING_MODE,
+):
+    """RMSNorm with FP8 output: ``(y_q, scales, residual_out)`` (``residual_out``: the sum, or None without
+    ``residual``). Follows vLLM's fused norm-and-quant kernels (``rms_norm_static_fp8_quant``,
+    ``rms_norm_dynamic_per_token_quant``, ``rms_norm_per_block_quant`` and their ``fused_add`` variants), whose
+    tests compare them with the norm's output in the input dtype quantized by ``scaled_fp8_quant`` (static, or
+    dynamic per token with ``scale_ub``) or ``per_token_group_quant_fp8`` (per group, ``use_ue8m0``):
+
+    * ``y`` is :func:`rms_norm_forward` of ``x`` (or of ``s = x + residual``, :func:`fused_add_sum`, in
+      residual's dtype), **rounded to x's dtype**, as the unfused pair would store it, and then quantized by
+      :func:`quantize_fp8` (scales from that rounded ``y``). ``casting_mode`` places the norm's roundings as in
+      :func:`rms_norm_forward`: ``"llama"`` is vLLM's ``RMSNorm``, ``"gemma"`` with ``offset=1`` its
+      ``GemmaRMSNorm``.
+    * scales are fp32 and ``y / scale`` is a true fp32 division; dynamic scales as :func:`quantize_fp8`.
+    * ``use_ue8m0`` is the exact smallest power of two at or above the scale. vLLM computes
+      ``exp2(ceil(log2(s)))`` in fp32, which for a scale just above a power of two can round ``log2`` down to an
+      integer and return the power below (the amax then saturates).
+    * a last group narrower than ``group_size`` (``N % group_size != 0``) is scaled by its own columns; vLLM
+      requires ``N % group_size == 0``.
+    """
+    if residual is not None:
+        y, residual_out, _ = fused_add_rms_norm_forward(x, residual, weight, eps, "pre", offset, casting_mode)
+    else:
+        y, residual_out = rms_norm_forward(x, weight, eps, offset, casting_mode)[0], None
+    y_q, scales = quantize_fp8(
+        y.to(x.dtype), scale=scale, group_size=group_size, scale_ub=scale_ub, out_dtype=out_dtype,
+        use_ue8m0=use_ue8m0,
+    )  # fmt: skip
+    return y_q, scales, residual_out

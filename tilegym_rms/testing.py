@@ -10,7 +10,7 @@ import torch
 
 from . import reference
 
-__all__ = ["chunked_errors", "fused_add_errors", "rel_err", "strided"]
+__all__ = ["chunked_errors", "fp8_step_errors", "fused_add_errors", "rel_err", "strided"]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: float | None = None) -> float:
@@ -141,3 +141,28 @@ def fused_add_errors(
     if outputs.get("dw") is not None:
         errs["dw"] = rel_err(outputs["dw"].detach().reshape(-1), dw_ref)
     return errs
+
+
+# (smallest normal exponent, mantissa bits) of each fp8 dtype: the spacing of its values at a magnitude.
+_FP8_LAYOUT = {torch.float8_e4m3fn: (-6, 3), torch.float8_e5m2: (-14, 2)}
+
+
+def fp8_step_errors(y_q: torch.Tensor, scales: torch.Tensor, y64: torch.Tensor, group_size=None) -> float:
+    """The largest distance of ``y_q`` from ``saturate(y64 / scale)`` (``y64``: the norm in float64; ``scales``:
+    the call's, one element, ``(..., 1)`` or per group of ``group_size`` columns), in steps of ``y_q``'s fp8 dtype
+    at the larger of the two magnitudes: a correct quantization of a ``y`` within rounding of ``y64`` is at most
+    about half a step off. A NaN where the other has none counts as infinitely far; NaN against NaN as 0."""
+    emin, mbits = _FP8_LAYOUT[y_q.dtype]
+    s = scales.double()
+    if s.numel() == 1:
+        s = s.reshape(())
+    elif group_size is not None:
+        s = s.repeat_interleave(group_size, -1)[..., : y64.shape[-1]]
+    fp8_max = torch.finfo(y_q.dtype).max
+    want = (y64.double() / s).clamp(-fp8_max, fp8_max)
+    got = y_q.double()
+    magnitude = torch.maximum(got.abs(), want.abs()).clamp(min=2.0**emin)
+    err = (got - want).abs() / torch.exp2(torch.floor(torch.log2(magnitude)) - mbits)
+    err = torch.where(torch.isnan(got) & torch.isnan(want), 0.0, err)
+    err = torch.where(torch.isnan(got) != torch.isnan(want), float("inf"), err)
+    return err.max().item() if err.numel() else 0.0

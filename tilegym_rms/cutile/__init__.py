@@ -2,7 +2,8 @@
 host modules of :mod:`.host` through :mod:`.launch`.
 
 This module is the backend contract of :mod:`tilegym_rms.dispatch` (with the fused residual add, its one-pass
-backward, QK-norm, the gated norm and the workspace size) and says where the kernels can run. ``cuda.tile`` is imported
+backward, QK-norm, the gated norm, the FP8 output and the workspace size) and says where the kernels can run.
+``cuda.tile`` is imported
 lazily so that this package imports anywhere.
 """
 
@@ -16,11 +17,13 @@ from .._checks import KERNEL_DTYPES
 from . import config
 from .host import backward as _backward_host
 from .host import forward as _forward_host
+from .host import fp8 as _fp8_host
 from .host import gated as _gated_host
 from .host import qk as _qk_host
 from .host.backward import backward, backward_workspace_bytes, fused_add_backward
 from .host.common import device_index as _device_index
 from .host.forward import forward, forward_config, fused_add_forward
+from .host.fp8 import FP8_MAX_N, fp8_forward
 from .host.gated import gated_backward, gated_forward
 from .host.qk import qk_backward, qk_forward
 
@@ -71,12 +74,14 @@ def available(device: torch.device) -> tuple[bool, str]:
 
 def clear_caches() -> None:
     """Forget the cached configurations and launches (after a tuning script changed :mod:`.config`)."""
-    for cache in (*_forward_host.CACHES, *_backward_host.CACHES, *_qk_host.CACHES, *_gated_host.CACHES):
+    for cache in (*_forward_host.CACHES, *_backward_host.CACHES, *_qk_host.CACHES, *_gated_host.CACHES,
+                  *_fp8_host.CACHES):  # fmt: skip
         cache.cache_clear()
 
 
 __all__ = [
     "FORWARD_KERNELS",
+    "FP8_MAX_N",
     "FUSED_ADD_MIXED_DTYPES",
     "SUPPORTED_DTYPES",
     "available",
@@ -86,6 +91,7 @@ __all__ = [
     "clear_caches",
     "forward",
     "forward_config",
+    "fp8_forward",
     "fused_add_backward",
     "fused_add_forward",
     "gated_backward",

@@ -669,3 +669,41 @@ def gated_config(
         if narrow
         else _hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 output (rms_norm_fp8): one launch of rms_norm_fp8_fwd, a block per TILE_M whole rows, no row loop
+# ----------------------------------------------------------------------------------------------
+
+# Widest row the fused FP8 kernel holds in registers (the plain norm's widest persistent tile, whose register
+# budget the one-pass kernel shares); wider rows run the norm, then torch's quantization (ops/fp8.py).
+FP8_MAX_TILE_N = 16384
+
+
+@dataclass(frozen=True)
+class FP8Config:
+    tile_m: int
+    tile_n: int  # >= N and >= the group size: a row is one tile
+    grid: int  # one block per row tile
+    hints: Hints = ()
+
+
+def fp8_config(
+    m: int, n: int, group_size: int | None, num_sms: int, invariant: bool = False, params: Heuristics | None = None
+) -> FP8Config:
+    """Tiles of the FP8 kernel for an ``(m, n)`` input. Its work per row is the forward's plus the scales, so it
+    takes the forward's measured settings: one row per block for few rows (``gather_max_rows_per_sm``, the
+    decode sizes) with the gather kernel's hints; else about ``fwd_tile_elems`` per tile with the persistent
+    forward's hints for that width. In the batch-invariant mode one row per block at every M: a row's place in
+    a tile of several could change how the compiler reduces it (PERFORMANCE.md, "Batch invariance")."""
+    p = params or HEURISTICS
+    tile_n = max(next_pow2(n), group_size or 1)
+    if tile_n > FP8_MAX_TILE_N:
+        raise ValueError(f"the FP8 kernel takes rows of at most {FP8_MAX_TILE_N} elements, got N={n}")
+    if invariant or m_bucket(m) <= p.gather_max_rows_per_sm * num_sms:
+        occupancy, warps = _gather_hints(tile_n, True, p)
+        tile_m = 1
+    else:
+        _, occupancy, warps = _persistent_class(tile_n, "fwd", p)
+        tile_m = _tile_m(tile_n, p.fwd_tile_elems, p)
+    return FP8Config(tile_m, tile_n, cdiv(m, tile_m), _hints(occupancy=occupancy, num_worker_warps=warps))

@@ -2,8 +2,8 @@
 
 :mod:`.norm` (``rms_norm`` and its standalone forward and backward), :mod:`.fused_add` (the residual add
 fused with the norm, in place or not), :mod:`.qk` (QK-norm and its layouts), :mod:`.gated` (the gated norm of
-hybrid models), on the shared plumbing of :mod:`.common` (row views, backend lookup, the eager forward and
-backward, ``WIRING``).
+hybrid models), :mod:`.fp8` (the norm and the fused add with FP8 output, for serving, inference only), on the
+shared plumbing of :mod:`.common` (row views, backend lookup, the eager forward and backward, ``WIRING``).
 
 Eager calls go through :class:`RMSNormFunction` / :class:`FusedAddRMSNormFunction` /
 :class:`QKRMSNormFunction` (plain autograd Functions: the least host work per call). Under
@@ -19,6 +19,7 @@ backward).
 """
 
 from .common import WIRING
+from .fp8 import fused_add_rms_norm_fp8, rms_norm_fp8
 from .fused_add import FusedAddRMSNormFunction, fused_add_rms_norm, fused_add_rms_norm_
 from .gated import GatedRMSNormFunction, gated_rms_norm
 from .norm import RMSNormFunction, backward_workspace_bytes, rms_norm, rms_norm_backward, rms_norm_forward
@@ -34,8 +35,10 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_add_rms_norm_",
     "gated_rms_norm",
+    "fused_add_rms_norm_fp8",
     "qk_rms_norm",
     "rms_norm",
+    "rms_norm_fp8",
     "rms_norm_backward",
     "rms_norm_forward",
 ]
