@@ -626,40 +626,6 @@ def _gated_output(h, r, wt, s, CAST, NORM_BEFORE_GATE, dtype):
     return ct.astype(ct.astype(_normalize(h, r, wt, CAST, dtype), _F32) * s, dtype)
 
 
-# FP8 output (rms_norm_fp8, fused_add_rms_norm_fp8): the norm's y, rounded to x's dtype, quantized in the same
-# pass (reference.quantize_fp8). QUANT: a static scale, dynamic per-row scales, or per group of GROUP columns
-# (scales shaped (M, cdiv(N, GROUP))). A block owns TILE_M whole rows (TILE_N >= N) and loops over nothing, so
-# a row's code never depends on M. Padded columns load as zeros, whose y is 0: they never raise an amax, and
-# the stores drop them (and the scales of groups past the row's end).
-# ----------------------------------------------------------------------------------------------
-
-QUANT_STATIC, QUANT_TOKEN, QUANT_GROUP = 0, 1, 2
-
-
-def _pow2_ceil(s):
-    """The smallest power of two ``>= s`` (a UE8M0 scale), exactly: reference.pow2_ceil's carry into the
-    exponent. ``ct.log2`` could round ``log2`` of a scale just above a power of two down to an integer."""
-    bits = ct.bitwise_and(ct.bitcast(s, ct.int32) + 0x7FFFFF, 0x7F800000)
-    return ct.where(ct.isnan(s), s, ct.bitcast(bits, _F32))
-
-
-def _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0):
-    """``max(min(amax, ub), floor) / fp8_max`` (a true division), rounded up to a power of two with UE8M0; NaN
-    propagates (reference._fp8_dynamic_scale)."""
-    if HAS_UB:
-        amax = ct.minimum(amax, ub, propagate_nan=True)
-    s = ct.maximum(amax, amax_floor, propagate_nan=True) / fp8_max
-    if UE8M0:
-        s = _pow2_ceil(s)
-    return s
-
-
-def _saturate(q, fp8_max, dtype):
-    """Clamp to the finite range of the fp8 ``dtype``, NaN kept, then round to nearest even."""
-    q = ct.minimum(ct.maximum(q, -fp8_max, propagate_nan=True), fp8_max, propagate_nan=True)
-    return ct.astype(q, dtype)
-
-
 @experimental_kernel
 @ct.kernel
 def gated_rms_norm_fwd(
@@ -742,6 +708,43 @@ def gated_rms_norm_bwd(
         ct.store(dw_partial, (ct.bid(0), chunk, 0), dw_acc, allow_tma=False)
 
 
+# ----------------------------------------------------------------------------------------------
+# FP8 output (rms_norm_fp8, fused_add_rms_norm_fp8): the norm's y, rounded to x's dtype, quantized in the same
+# pass (reference.quantize_fp8). QUANT: a static scale, dynamic per-row scales, or per group of GROUP columns
+# (scales shaped (M, cdiv(N, GROUP))). A block owns TILE_M whole rows (TILE_N >= N) and loops over nothing, so
+# a row's code never depends on M. Padded columns load as zeros, whose y is 0: they never raise an amax, and
+# the stores drop them (and the scales of groups past the row's end).
+# ----------------------------------------------------------------------------------------------
+
+QUANT_STATIC, QUANT_TOKEN, QUANT_GROUP = 0, 1, 2
+
+
+def _pow2_ceil(s):
+    """The smallest power of two ``>= s`` (a UE8M0 scale), exactly: reference.pow2_ceil's carry into the
+    exponent. ``ct.log2`` could round ``log2`` of a scale just above a power of two down to an integer."""
+    bits = ct.bitwise_and(ct.bitcast(s, ct.int32) + 0x7FFFFF, 0x7F800000)
+    return ct.where(ct.isnan(s), s, ct.bitcast(bits, _F32))
+
+
+def _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0):
+    """``max(min(amax, ub), floor) / fp8_max`` (a true division), rounded up to a power of two with UE8M0; NaN
+    propagates (reference._fp8_dynamic_scale)."""
+    if HAS_UB:
+        amax = ct.minimum(amax, ub, propagate_nan=True)
+    s = ct.maximum(amax, amax_floor, propagate_nan=True) / fp8_max
+    if UE8M0:
+        s = _pow2_ceil(s)
+    return s
+
+
+def _saturate(q, fp8_max, dtype):
+    """Clamp to the finite range of the fp8 ``dtype``, NaN kept, then round to nearest even."""
+    q = ct.minimum(ct.maximum(q, -fp8_max, propagate_nan=True), fp8_max, propagate_nan=True)
+    return ct.astype(q, dtype)
+
+
+@experimental_kernel
+@ct.kernel
 def rms_norm_fp8_fwd(
     x,
     w,
