@@ -11,6 +11,7 @@ from test_fp8 import E4M3, E5M2, EPS, MODES, _assert_same_bits, _quant_kwargs
 
 import tilegym_rms
 from tilegym_rms import reference
+from tilegym_rms.cutile import config as cutile_config
 from tilegym_rms.cutile.host import fp8 as fp8_host
 from tilegym_rms.testing import fp8_step_errors
 
@@ -39,7 +40,10 @@ def _check(x, w, y_q, scales, kw, out_dtype=E4M3, casting_mode=reference.DEFAULT
         y = tilegym_rms.rms_norm(x, w, EPS, casting_mode=casting_mode)
     _, want_s = reference.quantize_fp8(y, out_dtype=out_dtype, **kw)
     assert y_q.dtype == out_dtype and y_q.shape == x.shape and scales.shape == want_s.shape
-    torch.testing.assert_close(scales, want_s, rtol=2 * torch.finfo(x.dtype).eps, atol=0)
+    # fp32 x: no coarser rounding of y hides the kernels' other order of the sum of squares and rsqrt's
+    # last bits, a few fp32 ulps of an amax (3.4e-7 measured on an H100).
+    rtol = max(2 * torch.finfo(x.dtype).eps, 8 * torch.finfo(torch.float32).eps)
+    torch.testing.assert_close(scales, want_s, rtol=rtol, atol=0)
     y64 = reference.rms_norm_forward(x.double(), None if w is None else w.double(), EPS)[0]
     assert fp8_step_errors(y_q, scales, y64, kw.get("group_size")) <= 1.0
 
@@ -126,10 +130,17 @@ def test_fused_add(m, mode, residual_dtype):
         y_q, scales = tilegym_rms.fused_add_rms_norm_fp8(x, residual, w, EPS, **kw)
         unfused_q, unfused_s = tilegym_rms.rms_norm_fp8(want_sum, w, EPS, **kw)
     assert torch.equal(residual, want_sum)
-    # The norm of the sum, rounded to x's dtype: as rms_norm_fp8 of the sum, whose y is rounded to the sum's.
+    # The norm of the sum, rounded to x's dtype: as rms_norm_fp8 of the sum, whose y is rounded to the sum's. Bit
+    # for bit where a block holds one row; in a tile of several rows the fused and plain builds may sum a row's
+    # squares in another order (seen on an H100 at 2053 rows), so there the scales agree to a rounding of y.
     if residual_dtype == x.dtype:
-        _assert_same_bits(y_q, unfused_q)
-        assert torch.equal(scales, unfused_s)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        one_row = cutile_config.fp8_config(m, 4096, kw.get("group_size"), sms).tile_m == 1
+        if one_row:
+            _assert_same_bits(y_q, unfused_q)
+            assert torch.equal(scales, unfused_s)
+        else:
+            torch.testing.assert_close(scales, unfused_s, rtol=2 * torch.finfo(x.dtype).eps, atol=0)
     y64 = reference.rms_norm_forward(want_sum.double(), w.double(), EPS)[0]
     assert fp8_step_errors(y_q, scales, y64, kw.get("group_size")) <= 1.0
 
