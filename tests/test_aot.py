@@ -26,6 +26,8 @@ def test_variants_cover_every_kernel():
         "rms_norm_dw_reduce",
         "qk_rms_norm_fwd",
         "qk_rms_norm_bwd",
+        "gated_rms_norm_fwd",
+        "gated_rms_norm_bwd",
     }
     assert names == launched
     assert all(hasattr(kernels, n) for n in names)
@@ -119,6 +121,40 @@ def test_qk_variants_compile(arch):
     out = io.StringIO()
     only = aot.qk_variants()
     failures = aot.run((arch,), jobs=4, out=out, only=only)
+    assert failures == 0, out.getvalue()
+    assert f"{len(only)} compiled, 0 failed" in out.getvalue()
+
+
+def test_gated_variants_cover_the_tile_classes_and_axes():
+    """The gated variants reach each group tile of GATED_SHAPES (a padded group, groups padded to a power of two
+    in count), both orders of norm and gate, every casting mode, the no-weight and no-rstd forward, and an fp32
+    gate beside bf16 x."""
+    gated = aot.gated_variants()
+    assert {v.kernel_name for v in gated} == {"gated_rms_norm_fwd", "gated_rms_norm_bwd", "rms_norm_dw_reduce"}
+    fwd = [v for v in gated if v.kernel_name == "gated_rms_norm_fwd"]
+    tiles = {(c["TILE_G"], c["TILE_S"]) for c in (v.constants() for v in fwd)}
+    assert tiles == {(1, 128), (1, 8192), (4, 512), (32, 128), (8, 1024)}
+    assert {c["CAST"] for c in (v.constants() for v in fwd)} == set(CASTING_CODES.values())
+    axes = {(c["HAS_W"], c["NORM_BEFORE_GATE"], c["STORE_RSTD"]) for c in (v.constants() for v in fwd)}
+    assert axes >= {(False, True, True), (True, True, False), (True, False, True)}
+    bwd = [v for v in gated if v.kernel_name == "gated_rms_norm_bwd"]
+    assert {(v.constants()["HAS_W"], v.constants()["NORM_BEFORE_GATE"]) for v in bwd} == {
+        (True, True),
+        (True, False),
+        (False, True),
+        (False, False),
+    }
+    assert ("array", torch.float32, 3) in {v.params[2] for v in bwd}  # the gate of bf16 x in fp32
+    assert set(gated) <= set(aot.variants())  # the full check compiles them too
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_gated_variants_compile(arch):
+    """Only the gated variants: `pytest tests/test_aot.py -m exhaustive -k gated`."""
+    out = io.StringIO()
+    only = aot.gated_variants()
+    failures = aot.run((arch,), jobs=2, out=out, only=only)
     assert failures == 0, out.getvalue()
     assert f"{len(only)} compiled, 0 failed" in out.getvalue()
 

@@ -314,6 +314,46 @@ def _(mesh):
     _check_fused(mesh, "post", "aot_eager")
 
 
+def _check_gated(mesh, compile_backend=None):
+    """gated_rms_norm on x and a gate sharded on the sequence dim: y, dx and dz keep the sharding, dw is
+    Partial(sum); all match the unsharded call."""
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    import tilegym_rms
+
+    x, w, dy = _data((4, 6, 32))
+    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+
+    def fn(a, g, weight):
+        return tilegym_rms.gated_rms_norm(a, g, weight, EPS, group_size=8, norm_before_gate=False)
+
+    run = _compiled(fn, compile_backend) if compile_backend else fn
+    leaves = [t.clone().requires_grad_() for t in (x, z, w)]
+    fn(*leaves).backward(dy)
+    ref_y = fn(*leaves).detach()
+    dleaves = [
+        distribute_tensor(t, mesh, [p]).requires_grad_() for t, p in ((x, Shard(1)), (z, Shard(1)), (w, Replicate()))
+    ]
+    y = run(*dleaves)
+    y.backward(distribute_tensor(dy, mesh, [Shard(1)]))
+    assert tuple(y.placements) == (Shard(1),)
+    _close(y.full_tensor(), ref_y, "y")
+    for name, t, ref in zip(("dx", "dz", "dw"), dleaves, leaves, strict=True):
+        expected = (Partial(),) if name == "dw" else (Shard(1),)
+        assert tuple(t.grad.placements) == expected, f"{name} placements {t.grad.placements}"
+        _close(t.grad.full_tensor(), ref.grad, name)
+
+
+@case("gated-eager")
+def _(mesh):
+    _check_gated(mesh)
+
+
+@case("gated-compile-aot_eager")
+def _(mesh):
+    _check_gated(mesh, "aot_eager")
+
+
 @case("module-sequence-parallel")
 def _(mesh):
     """tilegym_rms.RMSNorm under parallelize_module(SequenceParallel()), as torchtitan wires norms."""
@@ -453,7 +493,8 @@ def _declared_rules():
 def _arguments(schema):
     """Arguments for ``schema``: 3-D tensors, one string for every str (a mode of "pre"), zeros, None."""
     x = torch.empty(2, 3, 8, device="meta")
-    kinds = {"Tensor": x, "Optional[Tensor]": x, "str": "pre", "float": 0.0, "Optional[str]": None}
+    kinds = {"Tensor": x, "Optional[Tensor]": x, "str": "pre", "float": 0.0, "Optional[str]": None,
+             "Optional[int]": None, "bool": True}  # fmt: skip
     return [kinds[str(a.type)] for a in schema.arguments]
 
 
@@ -463,7 +504,11 @@ def _with_argument(schema, declaration):
     return torch._C.parse_schema(text.replace("(", f"({declaration}, ", 1))
 
 
-@pytest.mark.parametrize("op", ["rms_norm_fwd", "rms_norm_bwd", "fused_add_rms_norm_fwd", "fused_add_rms_norm_bwd"])
+@pytest.mark.parametrize(
+    "op",
+    ["rms_norm_fwd", "rms_norm_bwd", "fused_add_rms_norm_fwd", "fused_add_rms_norm_bwd", "gated_rms_norm_fwd",
+     "gated_rms_norm_bwd"],
+)  # fmt: skip
 def test_sharding_rule_places_its_ops_arguments_by_the_ops_schema(op):
     """DTensor reads a rule's input placements by argument position: each must land on a tensor argument,
     follow the schema when an argument is added, and raise when the rule misses a tensor argument."""

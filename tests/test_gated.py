@@ -235,3 +235,95 @@ def test_module_matches_the_function_and_checks_where_it_is_built():
         tilegym_rms.GatedRMSNorm(16, group_size=5)
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         tilegym_rms.GatedRMSNorm(16, backend="cuda")
+
+
+# ------------------------------------------------------------------------------------------------
+# cuTile host plumbing on the CPU: the kernels replaced by torch emulations of their contract
+# ------------------------------------------------------------------------------------------------
+
+
+def _emulated_launch(calls):
+    from tilegym_rms.experimental import kernel_name
+
+    def launch(kernel, grid, args, dev, hints=(), built=None):
+        name = kernel_name(kernel)
+        calls.append(name)
+        if name == "gated_rms_norm_fwd":
+            x, z, w, y, rstd, eps, offset, _tm, tile_g, tile_s, cast, has_w, nbg, store = args
+            m, groups, size = x.shape
+            assert grid[1] == -(-groups // tile_g) and size <= tile_s < 2 * size
+            mode = reference.KERNEL_CASTING_MODES[cast]
+            weight = w.reshape(-1) if has_w else None
+            out, r = reference.gated_rms_norm_forward(
+                x.reshape(m, -1), z.reshape(m, -1), weight, eps, size, nbg, offset, mode
+            )
+            y.copy_(out.view(y.shape))
+            if store:
+                rstd.copy_(r)
+        elif name == "gated_rms_norm_bwd":
+            dy, x, z, w, rstd, dx, dz, partial, offset, _tm, _tg, _ts, has_w, nbg = args
+            m, groups, size = x.shape
+            weight = w.reshape(-1) if has_w else None
+            flat = [t.reshape(m, -1) for t in (x, z, dy)]
+            gx, gz, dw = reference.gated_rms_norm_backward(flat[0], flat[1], flat[2], weight, rstd, size, nbg, offset)
+            dx.copy_(gx.view(dx.shape))
+            dz.copy_(gz.view(dz.shape))
+            if has_w:  # spread over the partial rows, one per block of grid axis 0
+                assert partial.shape == (grid[0], groups, size)
+                partial.copy_((dw.float() / grid[0]).view(1, groups, size).expand_as(partial))
+        else:
+            assert name == "rms_norm_dw_reduce"
+            args[1].copy_(args[0].sum(0))
+
+    return launch
+
+
+@pytest.fixture
+def emulated_cutile(monkeypatch):
+    """The cuTile host with its kernels emulated on a 4-SM device without a tuning table: the names of the
+    kernels launched."""
+    pytest.importorskip("cuda.tile")
+    from tilegym_rms import cutile
+    from tilegym_rms.cutile import launch, tuning
+    from tilegym_rms.cutile.host import common
+
+    calls = []
+    monkeypatch.setattr(cutile, "available", lambda device: (True, ""))
+    monkeypatch.setattr(launch, "num_sms", lambda index: 4)
+    monkeypatch.setattr(tuning, "table_for", lambda index: None)
+    monkeypatch.setattr(common, "launcher", lambda: _emulated_launch(calls))
+    cutile.clear_caches()
+    yield calls
+    cutile.clear_caches()
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize(
+    "n,group_size,weight", [(96, None, True), (96, 32, True), (120, 40, False), (3 * 512, 512, True)]
+)
+def test_cutile_host_views_and_partial_buffer(emulated_cutile, norm_before_gate, n, group_size, weight):
+    """The host's (M, G, S) views, rstd, grids and dw partial buffer, on row-strided x and a strided fp32 gate:
+    the results of the reference on the whole call."""
+    torch.manual_seed(9)
+    x = torch.randn(3, 7, n + 8, dtype=torch.bfloat16)[..., :n].requires_grad_()
+    z = torch.randn(n, 3, 7).permute(1, 2, 0).requires_grad_()
+    w = torch.randn(n, dtype=torch.bfloat16, requires_grad=True) if weight else None
+    kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, casting_mode="llama")
+    y = tilegym_rms.gated_rms_norm(x, z, w, 1e-5, backend="cutile", **kw)
+    dy = torch.randn(y.shape, dtype=y.dtype)
+    grads = torch.autograd.grad(y, [t for t in (x, z, w) if t is not None], dy)
+    expected = tilegym_rms.gated_rms_norm(x, z, w, 1e-5, backend="torch", **kw)
+    expected_grads = torch.autograd.grad(expected, [t for t in (x, z, w) if t is not None], dy)
+    assert torch.equal(y, expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert got.dtype == want.dtype and rel_err(got, want) <= 1e-6
+    assert emulated_cutile == ["gated_rms_norm_fwd", "gated_rms_norm_bwd"] + ["rms_norm_dw_reduce"] * weight
+
+
+def test_cutile_host_runs_groups_wider_than_its_tiles_in_torch(emulated_cutile):
+    x, z = torch.randn(2, 20000), torch.randn(2, 20000)
+    y = tilegym_rms.gated_rms_norm(x, z, backend="cutile")
+    assert emulated_cutile == []
+    assert rel_err(y, fp64_gated(x, z, None, 1e-6, None, True)) <= 1e-6
+    y = tilegym_rms.gated_rms_norm(x, z, group_size=10000, backend="cutile")
+    assert emulated_cutile == ["gated_rms_norm_fwd"]

@@ -24,7 +24,7 @@ import torch
 from .cutile import _toolchain_status, config
 from .cutile.host import backward as bwd
 from .cutile.host import forward as fwd
-from .cutile.host import qk
+from .cutile.host import gated, qk
 from .cutile.host.common import Target
 from .experimental import kernel_name
 from .reference import CASTING_MODES, DEFAULT_CASTING_MODE
@@ -194,6 +194,7 @@ def _heuristic_variants() -> list[Variant]:
     """What the heuristics (``config.HEURISTICS``, as overridden at the call) launch over the representative grid,
     in the default and in the batch-invariant mode (the gather forward and the direct backward at every width)."""
     found: dict[Variant, None] = dict.fromkeys(qk_variants())
+    found.update(dict.fromkeys(gated_variants()))
     for invariant in (False, True):
         for dtype in DTYPES:
             for n in REPRESENTATIVE_N if dtype == torch.bfloat16 else TILE_CLASS_N:
@@ -301,6 +302,62 @@ def qk_variants() -> list[Variant]:
         for d in QK_REPRESENTATIVE_D if dtype == torch.bfloat16 else (128,):  # other dtypes: as TILE_CLASS_N
             for m in REPRESENTATIVE_M:
                 found.update(dict.fromkeys(qk_variants_for(m, d, dtype, every_path=d == 128)))
+    return list(found)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated RMSNorm: the gated kernels on (M, G, S) views and the dw reduction of their partial buffer
+# ----------------------------------------------------------------------------------------------
+
+# (N, group size) that reach each tile class: one head-dim group (Qwen3-Next), a row as one group padded to
+# a wide tile, three groups in a tile of four, many groups of a size that is not a power of two, and a wide row
+# of power-of-two groups (Mamba2); the arithmetic-only axes at the last one (GATED_FULL).
+GATED_SHAPES = ((128, 128), (5120, 5120), (1536, 512), (3072, 96), (8192, 1024))
+GATED_FULL = (8192, 1024)
+# (x dtype, gate dtype) pairs beyond bf16 with a bf16 gate, at GATED_FULL only: an fp32 gate beside 16-bit x.
+GATED_MORE_DTYPES = ((torch.bfloat16, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float32))
+
+
+def gated_variants_for(
+    m: int, n: int, group_size: int, dtype, gate_dtype, num_sms: int = REFERENCE_SMS, every_path: bool = True,
+    invariant: bool = False,
+) -> list[Variant]:  # fmt: skip
+    """The gated kernel variants for ``(m, n)`` rows in groups of ``group_size``: forward, backward and the dw
+    reduction, for both orders of norm and gate; with ``every_path``, every casting mode, the no-weight and the
+    no-rstd variants too (a training call's: the default casting, a weight of x's dtype, rstd stored)."""
+    target = Target(num_sms, None, invariant)
+    found, record = _collector()
+    x, z, w = _meta(dtype, m, n), _meta(gate_dtype, m, n), _meta(dtype, n)
+    first = (DEFAULT_CASTING_MODE, True, True)
+    combos = (first, *((mode, True, True) for mode in CASTING_MODES if mode != first[0]),
+              (DEFAULT_CASTING_MODE, False, True), (DEFAULT_CASTING_MODE, True, False))  # fmt: skip
+    for norm_before_gate in (True, False):
+        for casting_mode, has_w, store in combos if every_path else combos[:1]:
+            weight = w if has_w else None
+            fl = gated.forward_launch(target, m, n, group_size, dtype, casting_mode, has_w, norm_before_gate, store)
+            _, rstd = gated.start_forward(fl, x, z, weight, 0.0, 0.0, group_size, store, -1, record)
+            if store:
+                bl = gated.backward_launches(target, m, n, group_size, dtype, has_w, norm_before_gate)
+                gated.start_backward(bl, x, z, x, weight, rstd, 0.0, group_size, -1, record)
+    return list(found)
+
+
+def gated_variants() -> list[Variant]:
+    """The distinct gated variants over :data:`GATED_SHAPES` at both representative M (the casting, weight and
+    rstd axes and the other dtype pairs at :data:`GATED_FULL` and the large M only: they add no tile shape), and
+    a training call's in the batch-invariant mode."""
+    found: dict[Variant, None] = {}
+    for n, group_size in GATED_SHAPES:
+        for m in REPRESENTATIVE_M:
+            full = (n, group_size) == GATED_FULL and m == REPRESENTATIVE_M[-1]
+            more = gated_variants_for(m, n, group_size, torch.bfloat16, torch.bfloat16, every_path=full)
+            found.update(dict.fromkeys(more))
+            for dtype, gate_dtype in GATED_MORE_DTYPES if full else ():
+                found.update(dict.fromkeys(gated_variants_for(m, n, group_size, dtype, gate_dtype, every_path=False)))
+        more = gated_variants_for(
+            REPRESENTATIVE_M[0], n, group_size, torch.bfloat16, torch.bfloat16, False, False, True
+        )
+        found.update(dict.fromkeys(more))
     return list(found)
 
 

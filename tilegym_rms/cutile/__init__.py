@@ -2,7 +2,7 @@
 host modules of :mod:`.host` through :mod:`.launch`.
 
 This module is the backend contract of :mod:`tilegym_rms.dispatch` (with the fused residual add, its one-pass
-backward, QK-norm and the workspace size) and says where the kernels can run. ``cuda.tile`` is imported
+backward, QK-norm, the gated norm and the workspace size) and says where the kernels can run. ``cuda.tile`` is imported
 lazily so that this package imports anywhere.
 """
 
@@ -16,10 +16,12 @@ from .._checks import KERNEL_DTYPES
 from . import config
 from .host import backward as _backward_host
 from .host import forward as _forward_host
+from .host import gated as _gated_host
 from .host import qk as _qk_host
 from .host.backward import backward, backward_workspace_bytes, fused_add_backward
 from .host.common import device_index as _device_index
 from .host.forward import forward, forward_config, fused_add_forward
+from .host.gated import gated_backward, gated_forward
 from .host.qk import qk_backward, qk_forward
 
 # Compute capabilities that tileiras targets: 8.x, 9.0, 10.x and 12.x.
@@ -69,7 +71,7 @@ def available(device: torch.device) -> tuple[bool, str]:
 
 def clear_caches() -> None:
     """Forget the cached configurations and launches (after a tuning script changed :mod:`.config`)."""
-    for cache in (*_forward_host.CACHES, *_backward_host.CACHES, *_qk_host.CACHES):
+    for cache in (*_forward_host.CACHES, *_backward_host.CACHES, *_qk_host.CACHES, *_gated_host.CACHES):
         cache.cache_clear()
 
 
@@ -86,6 +88,8 @@ __all__ = [
     "forward_config",
     "fused_add_backward",
     "fused_add_forward",
+    "gated_backward",
+    "gated_forward",
     "qk_backward",
     "qk_forward",
 ]

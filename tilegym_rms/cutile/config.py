@@ -162,6 +162,14 @@ class Heuristics:
     qk_bwd_blocks_per_sm: int = 2
     qk_bwd_occupancy: int = 2
 
+    # Gated RMSNorm (gated_rms_norm): a tile is rows of whole groups, each padded to next_pow2(group size).
+    # Elements per tile, forward and backward: the plain norm's narrow-row sizes (the backward holds x, z and
+    # dy); a group is at most gated_max_tile_s padded columns (wider ones run the reference's torch math).
+    # Not measured on a GPU yet: the plain norm's blocks per SM and hints by the tile's width.
+    gated_fwd_tile_elems: int = 16384
+    gated_bwd_tile_elems: int = 8192
+    gated_max_tile_s: int = 16384
+
 
 HEURISTICS = Heuristics()
 
@@ -548,4 +556,67 @@ def qk_config(
         grid(c.bwd_tile_m, c.bwd_blocks_per_sm),
         _hints(occupancy=c.fwd_occupancy),
         _hints(occupancy=c.bwd_occupancy),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated RMSNorm (gated_rms_norm): tiles of rows by whole groups, grid axis 1 over chunks of groups
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatedConfig:
+    tile_g: int  # groups per tile (a power of two; the last chunk may be padded)
+    tile_s: int  # next_pow2(group size)
+    fwd_tile_m: int
+    bwd_tile_m: int
+    chunks: int  # grid axis 1: cdiv(groups, tile_g)
+    fwd_grid: int  # grid axis 0 (persistent over row tiles)
+    bwd_grid: int  # also the rows of the (grid, N) dw partial buffer
+    fwd_hints: Hints = ()
+    bwd_hints: Hints = ()
+
+
+def gated_config(
+    m: int, n: int, group_size: int, dtype: torch.dtype, num_sms: int, invariant: bool = False
+) -> GatedConfig | None:
+    """Tiles, grids and hints of the gated kernels for ``m`` rows of ``n`` columns in groups of ``group_size``
+    (tiles from M's bucket, grids from M), or None for a group wider than ``gated_max_tile_s`` (the host then
+    runs the torch math). In the batch-invariant mode a tile is one row and the forward gives each row tile a
+    block of its own, whatever M."""
+    p = HEURISTICS
+    del dtype  # tiles are counted in elements, as the qk kernels'
+    tile_s = next_pow2(group_size)
+    if tile_s > p.gated_max_tile_s:
+        return None
+    groups = n // group_size
+    tile_g = min(next_pow2(groups), max(1, p.gated_fwd_tile_elems // tile_s))
+    chunks = cdiv(groups, tile_g)
+    row = tile_g * tile_s
+    narrow = row <= p.narrow_max_row
+
+    def tile_m(target_elems):
+        if invariant:
+            return 1
+        by_rows = prev_pow2(max(m_bucket(m) * chunks // max(num_sms, 1), 1))  # a tile for every SM first
+        return max(1, min(p.max_tile_m, prev_pow2(max(target_elems // row, 1)), by_rows))
+
+    def grid(tm, blocks_per_sm):  # blocks over both axes: about blocks_per_sm per SM, at most one per row tile
+        return max(1, min(max(num_sms * blocks_per_sm // chunks, 1), cdiv(m, tm)))
+
+    fwd_tile_m, bwd_tile_m = tile_m(p.gated_fwd_tile_elems), tile_m(p.gated_bwd_tile_elems)
+    fwd_bps = p.fwd_narrow_blocks_per_sm if narrow else p.fwd_wide_blocks_per_sm
+    bwd_bps = p.bwd_narrow_blocks_per_sm if narrow else p.bwd_wide_blocks_per_sm
+    return GatedConfig(
+        tile_g,
+        tile_s,
+        fwd_tile_m,
+        bwd_tile_m,
+        chunks,
+        cdiv(m, fwd_tile_m) if invariant else grid(fwd_tile_m, fwd_bps),
+        grid(bwd_tile_m, bwd_bps),
+        _hints(occupancy=p.fwd_narrow_occupancy if narrow else p.fwd_wide_occupancy),
+        _hints(occupancy=p.bwd_narrow_occupancy, num_worker_warps=p.bwd_narrow_worker_warps)
+        if narrow
+        else _hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps),
     )

@@ -7,7 +7,8 @@ Importing this package never imports triton, torch_npu or triton-ascend: the ker
 imported on first use, so :func:`available` can report what is missing instead of failing.
 
 This module is the backend contract of :mod:`tilegym_rms.dispatch` (:class:`~tilegym_rms.dispatch.Backend`,
-:class:`~tilegym_rms.dispatch.FusedAddBackend`, :class:`~tilegym_rms.dispatch.WorkspaceBackend`) and says
+:class:`~tilegym_rms.dispatch.FusedAddBackend`, :class:`~tilegym_rms.dispatch.GatedBackend`,
+:class:`~tilegym_rms.dispatch.WorkspaceBackend`) and says
 where the kernels can run. The host modules of :mod:`.host` launch the kernels of :mod:`.kernels` through
 :mod:`.launch`, with the paths and tiles that :mod:`.config` chooses.
 """
@@ -22,6 +23,7 @@ from tilegym_rms.triton.config import choose_path, choose_tiles
 from tilegym_rms.triton.host.backward import backward, backward_workspace_bytes
 from tilegym_rms.triton.host.forward import FUSED_ADD_MIXED_DTYPES as FUSED_ADD_MIXED_DTYPES
 from tilegym_rms.triton.host.forward import forward, fused_add_forward
+from tilegym_rms.triton.host.gated import gated_backward, gated_forward
 
 __all__ = [
     "FORWARD_KERNELS",
@@ -33,6 +35,8 @@ __all__ = [
     "choose_tiles",
     "forward",
     "fused_add_forward",
+    "gated_backward",
+    "gated_forward",
 ]
 
 SUPPORTED_DTYPES = KERNEL_DTYPES

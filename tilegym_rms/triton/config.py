@@ -29,8 +29,9 @@ UB_DOUBLE_BUFFER_DIVISOR = 2  # the compiler ping-pongs loads against compute: h
 FP32_BYTES = 4  # tiles are computed in fp32 whatever the input dtype
 
 # Tile-sized fp32 values alive at once (conservative): forward x, x*rstd, y; fused add also
-# the residual; backward x, dy, x^, w~*dy, dx, dy*x^.
-LIVE_TILES = {"forward": 3, "fused_add": 4, "backward": 6}
+# the residual; backward x, dy, x^, w~*dy, dx, dy*x^; the gated norm also z and silu(z) (and its slope, dz
+# and the gate's products in the backward).
+LIVE_TILES = {"forward": 3, "fused_add": 4, "backward": 6, "gated_forward": 4, "gated_backward": 10}
 MIN_TILE_ELEMS = 16  # floor so that an absurdly small override still yields a valid tile
 
 # --- Path thresholds -----------------------------------------------------------------------------

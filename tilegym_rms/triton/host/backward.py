@@ -85,13 +85,19 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
         )
     if not has_w:
         return dx, None
-    dw = torch.empty((N,), dtype=weight.dtype, device=x.device)
-    P = grid
+    return dx, reduce_dw(partial, weight)
+
+
+def reduce_dw(partial, weight):
+    """``dw = partial.sum(0)`` in the weight's dtype, in a fixed order (deterministic): the per-program fp32
+    rows ``(P, N)`` of a backward reduced by ``rms_norm_dw_reduce_kernel``."""
+    P, N = partial.shape
+    dw = torch.empty((N,), dtype=weight.dtype, device=partial.device)
     block_p = min(config.REDUCE_BLOCK_P, config.next_pow2(P))
     block_n = config.reduce_block_n(N)
-    reduce_grid = config.grid_size(config.cdiv(N, block_n), x.device)
+    reduce_grid = config.grid_size(config.cdiv(N, block_n), partial.device)
     _launch.launch(
-        k.rms_norm_dw_reduce_kernel,
+        load_kernels().rms_norm_dw_reduce_kernel,
         (reduce_grid,),
         partial,
         dw,
@@ -102,4 +108,4 @@ def backward(x, dy, weight, rstd, offset, casting_mode):
         EVEN_P=P % block_p == 0,
         EVEN_N=N % block_n == 0,
     )
-    return dx, dw
+    return dw
