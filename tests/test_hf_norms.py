@@ -256,6 +256,30 @@ def test_left_alone_modules_are_named_once_with_reasons():
     assert "HYV4UnweightedRMSNorm (it computes no formula this integration knows)" in message
 
 
+GATED = [
+    ("qwen3_next", "Qwen3NextRMSNormGated", {}, torch.float32),  # a wider weight: HF's product stays in torch
+    ("mamba2", "MambaRMSNormGated", {"group_size": 16}, torch.bfloat16),
+    ("falcon_h1", "FalconH1RMSNormGated", {"n_groups": 4, "norm_before_gate": False}, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("model,name,settings,w_dtype", GATED)
+def test_swapped_gated_norm_compiles_fullgraph_with_hf_bits(model, name, settings, w_dtype):
+    cls = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
+    hf_module = prepared(cls(64, **settings), w_dtype)
+    ours = swapped(hf_module, backend="torch")
+    x, z = inputs(hf_module, torch.bfloat16, gated=True)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            assert torch.equal(compiled(x, z), hf_module(x, z))
+            if model != "qwen3_next":  # (Qwen3-Next's forward needs its gate)
+                assert torch.equal(compiled(x), hf_module(x))
+    finally:
+        torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------------------------
 # A training step of a small Qwen3-Next: gated norms in its linear-attention layers, Gemma-style ones elsewhere
 # ----------------------------------------------------------------------------------------------
