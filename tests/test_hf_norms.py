@@ -312,7 +312,7 @@ def train_step(model, ids):
     return out
 
 
-def check_training(dtype, device, backend, exact):
+def check_training(dtype, device, backend, exact, tol):
     ref = qwen3_next(dtype, device)
     model = copy.deepcopy(ref)
     with warnings.catch_warnings():
@@ -324,7 +324,6 @@ def check_training(dtype, device, backend, exact):
         out_ref, out = train_step(ref, ids), train_step(model, ids)
         if exact and step == 0:
             assert torch.equal(out.loss, out_ref.loss) and torch.equal(out.logits, out_ref.logits)
-        tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
         assert rel_err(out.loss, out_ref.loss) <= tol, step
         # Over all parameters at once: a bf16 gradient of a few tiny entries (A_log's) is a few ulps apart alone.
         assert list(dict(model.named_parameters())) == list(dict(ref.named_parameters()))
@@ -336,12 +335,12 @@ def check_training(dtype, device, backend, exact):
 def test_qwen3_next_training_step_matches_hf_bf16():
     # bf16: the first step's loss and logits are HF's bits; the second step starts from weights that the
     # backward (exact derivative of the fp32 math, not HF's rounded one) moved a few ulps apart.
-    check_training(torch.bfloat16, "cpu", "torch", exact=True)
+    check_training(torch.bfloat16, "cpu", "torch", exact=True, tol=2e-2)
 
 
 @pytest.mark.filterwarnings("ignore:.*falling back to its reference PyTorch implementation")
 def test_qwen3_next_training_step_matches_hf_fp32():
-    check_training(torch.float32, "cpu", "torch", exact=False)  # silu's last fp32 bit (see above)
+    check_training(torch.float32, "cpu", "torch", exact=False, tol=1e-5)  # silu's last fp32 bit (see above)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,4 +380,5 @@ def test_every_swapped_formula_on_gpu(entries, backend):
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:.*falling back to its reference PyTorch implementation")
 def test_qwen3_next_training_step_matches_hf_gpu():
-    check_training(torch.bfloat16, "cuda", None, exact=False)
+    # The kernels sum in another order than torch: a few bf16 ulps from HF's values (as test_hf's GPU model test).
+    check_training(torch.bfloat16, "cuda", None, exact=False, tol=5e-2)
