@@ -27,8 +27,8 @@ from tilegym_rms.integrations.hf import (  # noqa: E402
     recognize,
 )
 
-# The classes of transformers 5.24 that apply_to_model leaves alone (with the settings they are built with,
-# where others are swapped), each with a word of the reason its warning gives; any other must be swapped.
+# The classes of transformers 5.24 that apply_to_model leaves alone, each with a word of the reason its
+# warning gives; any other must be swapped.
 LEFT_ALONE = {
     "AXK2GatedRMSNorm": "submodules",  # an MLP computes its gate from the norm; its inner RMSNorm is swapped
     "BailingHybridRMSNormGated": "sigmoid",
@@ -38,7 +38,6 @@ LEFT_ALONE = {
     "HYV4VLUnweightedRMSNorm": "no formula",
     "IdeficsRMSNorm": "no formula",  # T5's: rounds to a 16-bit weight's dtype, not the input's
     "MuseSparkTextInputScaledRMSNorm": "no formula",  # scales by the weight, rounds, then normalizes
-    "Qwen4ExpTextRMSNorm{'group_size': 16}": "groups",  # without a group_size it is swapped
 }
 
 # (x dtype, weight dtype): the model's own dtype, and fp32 weights (master copies, autocast) beside 16-bit x.
@@ -199,16 +198,17 @@ def test_the_formulas_of_the_plain_variants_are_recognised(entries):
     def kind(name, **settings):
         (cls,) = {e.cls for e in entries if e.cls.__name__ == name}
         match = recognize.match_module(catalog.build(cls, settings))
-        return (match.kind.name, match.weighted, match.kind.eps_attr)
+        return (match.kind.name, match.weighted, match.kind.eps_attr, match.group_size)
 
-    assert kind("Llama4TextRMSNorm") == ("llama", True, "eps")
-    assert kind("Gemma4RMSNorm", with_scale=True) == ("olmo2", True, "eps")
-    assert kind("Gemma4RMSNorm", with_scale=False)[1:] == (False, "eps")
-    assert kind("NemotronHRMSNorm") == ("olmo2", True, "variance_epsilon")
-    assert kind("MuseSparkTextCenteredRMSNorm") == ("centered", True, "eps")
-    assert kind("Qwen4ExpTextRMSNorm") == ("gemma", True, "eps")
-    assert kind("DeepseekV4UnweightedRMSNorm") == ("deepseek_v4", False, "eps")
-    assert kind("NanoChatRMSNorm")[1:] == (False, "eps")
+    assert kind("Llama4TextRMSNorm") == ("llama", True, "eps", None)
+    assert kind("Gemma4RMSNorm", with_scale=True) == ("olmo2", True, "eps", None)
+    assert kind("Gemma4RMSNorm", with_scale=False)[1:] == (False, "eps", None)
+    assert kind("NemotronHRMSNorm") == ("olmo2", True, "variance_epsilon", None)
+    assert kind("MuseSparkTextCenteredRMSNorm") == ("centered", True, "eps", None)
+    assert kind("Qwen4ExpTextRMSNorm") == ("gemma", True, "eps", None)
+    assert kind("Qwen4ExpTextRMSNorm", group_size=16) == ("gemma", True, "eps", 16)
+    assert kind("DeepseekV4UnweightedRMSNorm") == ("deepseek_v4", False, "eps", None)
+    assert kind("NanoChatRMSNorm")[1:] == (False, "eps", None)
 
 
 def test_centered_weight_rounds_one_plus_w_in_its_dtype():
@@ -256,26 +256,28 @@ def test_left_alone_modules_are_named_once_with_reasons():
     assert "HYV4UnweightedRMSNorm (it computes no formula this integration knows)" in message
 
 
-GATED = [
+GATED_AND_GROUPED = [
     ("qwen3_next", "Qwen3NextRMSNormGated", {}, torch.float32),  # a wider weight: HF's product stays in torch
     ("mamba2", "MambaRMSNormGated", {"group_size": 16}, torch.bfloat16),
     ("falcon_h1", "FalconH1RMSNormGated", {"n_groups": 4, "norm_before_gate": False}, torch.bfloat16),
+    ("qwen4_exp", "Qwen4ExpTextRMSNorm", {"group_size": 16}, torch.bfloat16),  # groups, no gate
 ]
 
 
-@pytest.mark.parametrize("model,name,settings,w_dtype", GATED)
-def test_swapped_gated_norm_compiles_fullgraph_with_hf_bits(model, name, settings, w_dtype):
+@pytest.mark.parametrize("model,name,settings,w_dtype", GATED_AND_GROUPED)
+def test_swapped_gated_and_grouped_norms_compile_fullgraph_with_hf_bits(model, name, settings, w_dtype):
     cls = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
     hf_module = prepared(cls(64, **settings), w_dtype)
     ours = swapped(hf_module, backend="torch")
-    x, z = inputs(hf_module, torch.bfloat16, gated=True)
+    gated = isinstance(ours, TilegymHFGatedRMSNorm)
+    tensors = inputs(hf_module, torch.bfloat16, gated)
     torch._dynamo.reset()
     try:
         compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
         with torch.no_grad():
-            assert torch.equal(compiled(x, z), hf_module(x, z))
-            if model != "qwen3_next":  # (Qwen3-Next's forward needs its gate)
-                assert torch.equal(compiled(x), hf_module(x))
+            assert torch.equal(compiled(*tensors), hf_module(*tensors))
+            if gated and model != "qwen3_next":  # without the gate (Qwen3-Next's forward needs it)
+                assert torch.equal(compiled(tensors[0]), hf_module(tensors[0]))
     finally:
         torch._dynamo.reset()
 

@@ -90,9 +90,10 @@ def describe(module) -> str:
     if match is None:
         return f"left alone: {why_left_alone(module)}"
     what = f"swapped: {match.kind.name}" + ("" if match.weighted else ", no weight")
-    if match.gating is not None:
-        order = "norm, then gate" if match.gating.norm_before_gate else "gate, then norm"
-        what += f", gated ({order}, group_size={match.gating.group_size})"
+    if match.norm_before_gate is not None:
+        what += ", gated (" + ("norm, then gate" if match.norm_before_gate else "gate, then norm") + ")"
+    if match.group_size is not None:
+        what += f", group_size={match.group_size}"
     return what
 
 

@@ -33,7 +33,7 @@ input dtype, as HF does, whatever the weight dtype.
 
 Gated norms (Qwen3-Next, Mamba2, FalconH1 and their copies; ``forward(hidden_states, gate=None)``) are a kind
 for the roundings (llama: the normalized value rounded, then times the weight, as Qwen3-Next and Mamba2; olmo2:
-fp32 throughout, as FalconH1) and a :class:`Gating` (silu gate before or after the norm, group size), computed by
+fp32 throughout, as FalconH1), the silu gate before or after the norm and a group size, computed by
 :func:`hf_gated_rms_norm` through :func:`tilegym_rms.gated_rms_norm`. Without a gate they compute the class's plain
 norm (per group).
 
@@ -81,11 +81,14 @@ KINDS = (LLAMA, GEMMA, OLMO2, CENTERED, DEEPSEEK_V4)
 KINDS_BY_NAME = {k.name: k for k in KINDS}
 
 
-def hf_rms_norm(x, weight, eps, kind: NormKind, backend, norm=None):
+def hf_rms_norm(x, weight, eps, kind: NormKind, backend, norm=None, *, group_size=None):
     """What an HF norm of ``kind`` computes, through :func:`tilegym_rms.rms_norm` on ``backend`` (None
-    chooses per device); ``weight`` None for a module without one. Recognition checks a class against this
+    chooses per device); ``weight`` None for a module without one; ``group_size``: each group of that many
+    columns normalized apart (Qwen4Exp's hyper-connection norms). Recognition checks a class against this
     same formula by passing ``norm``, a function of rms_norm's signature on :mod:`tilegym_rms.reference`."""
     norm = rms_norm if norm is None else norm
+    if group_size is not None:
+        return _weight_after_group_norm(x, None, weight, eps, kind, group_size, backend, norm)
     if weight is None:
         return norm(x, None, eps, casting_mode=kind.casting_mode, backend=backend)
     if kind.offset_in_weight_dtype:
@@ -98,14 +101,6 @@ def hf_rms_norm(x, weight, eps, kind: NormKind, backend, norm=None):
     return norm(x, weight, eps, offset=kind.offset, casting_mode=kind.casting_mode, backend=backend)
 
 
-@dataclasses.dataclass(frozen=True)
-class Gating:
-    """Where an HF gated RMSNorm applies its silu gate, and the groups it normalizes."""
-
-    norm_before_gate: bool
-    group_size: int | None  # None: one group of the whole row
-
-
 def _group_norm(x, eps, group_size, casting_mode, backend, norm):
     """The weightless norm of each group of ``group_size`` columns of ``x`` (None: the row), in ``x``'s shape."""
     if group_size is None:
@@ -114,28 +109,42 @@ def _group_norm(x, eps, group_size, casting_mode, backend, norm):
     return norm(groups, None, eps, casting_mode=casting_mode, backend=backend).reshape(x.shape)
 
 
-def hf_gated_rms_norm(x, gate, weight, eps, kind: NormKind, gating: Gating, backend, norm=None, gated_norm=None):
-    """What an HF gated norm of ``kind`` and ``gating`` computes (``gate`` None: its plain norm), through
-    :func:`tilegym_rms.gated_rms_norm` (``gated_norm``) and :func:`tilegym_rms.rms_norm` (``norm``); recognition
-    passes their :mod:`tilegym_rms.reference` twins."""
-    norm = rms_norm if norm is None else norm
-    gated_norm = gated_rms_norm if gated_norm is None else gated_norm
-    group_size = gating.group_size
-    if gate is None and group_size is None:
-        return hf_rms_norm(x, weight, eps, kind, backend, norm)
-    promoted = weight is not None and kind.weight_promotes and torch.promote_types(weight.dtype, x.dtype) != x.dtype
-    if gate is not None and not (promoted and gating.norm_before_gate):
-        # A wider weight multiplies HF's rounded norm in the promoted dtype, the last step when the gate comes first.
-        y = gated_norm(
-            x, gate, None if promoted else weight, eps, group_size=group_size,
-            norm_before_gate=gating.norm_before_gate, casting_mode=kind.casting_mode, backend=backend,
-        )  # fmt: skip
-        return weight * y if promoted else y
-    # The norm of each group without weight, then HF's own expression for the weight (and the gate after a
-    # rounded norm times a wider weight): the kernels take a weight of one group's width only.
-    if kind.casting_mode == "llama":
-        y = _group_norm(x, eps, group_size, "llama", backend, norm)
+def _weight_after_group_norm(x, gate, weight, eps, kind: NormKind, group_size, backend, norm):
+    """The norm of each group without weight, then HF's own expression for the weight (and, with ``gate``, the
+    silu gate after a rounded norm times the weight): the kernels take a weight of one group's width only."""
+    if kind.casting_mode in ("llama", "none"):
+        y = _group_norm(x, eps, group_size, kind.casting_mode, backend, norm)
         y = y if weight is None else weight * y
         return y if gate is None else (y * torch.nn.functional.silu(gate.float())).to(x.dtype)
+    # fp32 throughout: the fp32 norm times offset + w in fp32 (in the weight's dtype for the centered kind),
+    # rounded once.
     y = _group_norm(x.float(), eps, group_size, kind.casting_mode, backend, norm)
-    return (y if weight is None else weight * y).to(x.dtype)
+    if weight is not None:
+        if kind.offset_in_weight_dtype:
+            w = (kind.offset + weight).float()
+        else:
+            w = weight.float() + kind.offset if kind.offset else weight.float()
+        y = y * w
+    return y.to(x.dtype)
+
+
+def hf_gated_rms_norm(
+    x, gate, weight, eps, kind: NormKind, backend, *, norm_before_gate, group_size=None, norm=None, gated_norm=None
+):
+    """What an HF gated norm of ``kind`` computes (``gate`` None: its plain norm), the silu gate before or after
+    the norm, over groups of ``group_size`` columns (None: the row), through :func:`tilegym_rms.gated_rms_norm`
+    (``gated_norm``) and :func:`tilegym_rms.rms_norm` (``norm``); recognition passes their
+    :mod:`tilegym_rms.reference` twins."""
+    norm = rms_norm if norm is None else norm
+    gated_norm = gated_rms_norm if gated_norm is None else gated_norm
+    if gate is None:
+        return hf_rms_norm(x, weight, eps, kind, backend, norm, group_size=group_size)
+    promoted = weight is not None and kind.weight_promotes and torch.promote_types(weight.dtype, x.dtype) != x.dtype
+    if promoted and norm_before_gate:
+        return _weight_after_group_norm(x, gate, weight, eps, kind, group_size, backend, norm)
+    y = gated_norm(
+        x, gate, None if promoted else weight, eps, group_size=group_size, norm_before_gate=norm_before_gate,
+        casting_mode=kind.casting_mode, backend=backend,
+    )  # fmt: skip
+    # A wider weight multiplies HF's rounded norm in the promoted dtype, the last step when the gate comes first.
+    return weight * y if promoted else y

@@ -11,9 +11,10 @@ recognised as llama).
 By behaviour (``match_copies=True``), for code that matches no reference (Llama4's, Gemma4's, NemotronH's,
 the weightless and the gated norms): a blank instance of the class gets the module's own settings (its plain
 attributes: eps, ``with_scale``, ``group_size``, ``norm_before_gate``, ...) and a probe weight, runs its
-forward on inputs whose roundings tell the formulas apart, and takes the first formula of :data:`KINDS` (for a
-forward that takes a gate, with each :class:`~.kinds.Gating` its settings allow) that gives the same bits and
-dtype for 16-bit and fp32 inputs, 16-bit and fp32 weights, on :mod:`tilegym_rms.reference`. A module whose
+forward on inputs whose roundings tell the formulas apart, and takes the first formula of :data:`KINDS`
+(over the row or the groups its settings give; for a forward that takes a gate, with the silu gate before or
+after the norm) that gives the same bits and dtype on :mod:`tilegym_rms.reference` for 16-bit and fp32
+inputs and weights. A module whose
 forward reads anything else (a submodule, a tensor other than its weight, a setting the probe lacks) fails
 the probe and is left alone.
 """
@@ -29,7 +30,7 @@ import numbers
 import torch
 
 from ... import reference
-from .kinds import KINDS, Gating, NormKind, hf_gated_rms_norm, hf_rms_norm
+from .kinds import KINDS, NormKind, hf_gated_rms_norm, hf_rms_norm
 
 INSTALL_HINT = "pip install 'tilegym_rms[hf]'"
 
@@ -101,11 +102,13 @@ def _code_key(code):
 @dataclasses.dataclass(frozen=True)
 class Match:
     """What a module computes: ``kind`` (its ``eps_attr`` names where the module keeps eps), with or without
-    its weight, and for a gated norm its :class:`~.kinds.Gating` (None for a plain norm)."""
+    its weight, over groups of ``group_size`` columns (None: the row), and for a gated norm where its silu gate
+    applies (``norm_before_gate`` None for a plain norm)."""
 
     kind: NormKind
     weighted: bool
-    gating: Gating | None = None
+    group_size: int | None = None
+    norm_before_gate: bool | None = None
 
 
 # Where HF modules keep eps; the probe finds which one a forward reads.
@@ -209,9 +212,9 @@ def takes_gate(cls) -> bool:
     return len(positional) >= 3  # self, hidden_states, gate
 
 
-def _gatings(attrs: dict, n: int) -> list[Gating]:
-    """The gatings to try: the gate before and after the norm, over one group and over the module's own
-    groups (``group_size``, or ``n_groups`` of the width)."""
+def _group_sizes(attrs: dict, n: int) -> list:
+    """The group sizes to try: the row, and the module's own groups (``group_size``, or ``n_groups`` of the
+    width)."""
     sizes = [None]
     size = attrs.get("group_size")
     if isinstance(size, int) and not isinstance(size, bool) and 0 < size < n and n % size == 0:
@@ -219,7 +222,7 @@ def _gatings(attrs: dict, n: int) -> list[Gating]:
     groups = attrs.get("n_groups")
     if isinstance(groups, int) and not isinstance(groups, bool) and 1 < groups <= n and n % groups == 0:
         sizes.append(n // groups)
-    return [Gating(before, size) for size in sizes for before in (True, False)]
+    return sizes
 
 
 def _recognise(cls, attrs: dict, weight: str, n: int) -> Match | None:
@@ -255,20 +258,25 @@ def _recognise(cls, attrs: dict, weight: str, n: int) -> Match | None:
 
 
 def _first_match(cases, gated: bool, attrs: dict, n: int) -> Match | None:
-    """The first kind (and gating) whose formula on :mod:`tilegym_rms.reference` gives each case's output."""
+    """The first kind (group size, and gate placement) whose formula on :mod:`tilegym_rms.reference` gives each
+    case's output."""
+    norms = {"norm": _reference_norm}
     for kind in KINDS:
-        if not gated:
-            if all(_same(got, hf_rms_norm(x, w, _PROBE_EPS, kind, None, _reference_norm)) for x, _, w, got in cases):
-                return Match(kind, cases[0][2] is not None)
-            continue
-        if kind.offset != 0 or kind.casting_mode not in ("llama", "gemma"):
-            continue  # HF's gated norms: Qwen3-Next's and Mamba2's roundings (llama), FalconH1's (fp32)
-        for gating in _gatings(attrs, n):
-            norms = (_reference_norm, _reference_gated_norm)
-            if all(
-                _same(got, hf_gated_rms_norm(x, g, w, _PROBE_EPS, kind, gating, None, *norms)) for x, g, w, got in cases
-            ):
-                return Match(kind, True, gating)
+        for size in _group_sizes(attrs, n):
+            if not gated:
+                if all(_same(got, hf_rms_norm(x, w, _PROBE_EPS, kind, None, group_size=size, **norms))
+                       for x, _, w, got in cases):  # fmt: skip
+                    return Match(kind, cases[0][2] is not None, size)
+                continue
+            if kind.offset != 0 or kind.casting_mode not in ("llama", "gemma"):
+                break  # HF's gated norms: Qwen3-Next's and Mamba2's roundings (llama), FalconH1's (fp32)
+            for before in (True, False):
+                formula = functools.partial(
+                    hf_gated_rms_norm, kind=kind, backend=None, norm_before_gate=before, group_size=size,
+                    gated_norm=_reference_gated_norm, **norms,
+                )  # fmt: skip
+                if all(_same(got, formula(x, g, w, _PROBE_EPS)) for x, g, w, got in cases):
+                    return Match(kind, True, size, before)
     return None
 
 
@@ -352,8 +360,6 @@ def why_left_alone(module) -> str:
     activation = getattr(module, "activation", None)
     if isinstance(activation, str) and activation != "silu":
         return f"its gate is {activation}; gated_rms_norm gates with silu"
-    if isinstance(getattr(module, "group_size", None), int) and not takes_gate(type(module)):
-        return "it normalizes groups of its width without a gate; rms_norm normalizes whole rows"
     return "it computes no formula this integration knows"
 
 

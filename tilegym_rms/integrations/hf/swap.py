@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from ...module import RMSNorm as _TilegymRMSNorm
-from .kinds import KINDS, KINDS_BY_NAME, Gating, hf_gated_rms_norm, hf_rms_norm
+from .kinds import KINDS, KINDS_BY_NAME, hf_gated_rms_norm, hf_rms_norm
 from .recognize import Match, match_module, require_transformers, why_left_alone
 
 
@@ -41,13 +41,22 @@ class TilegymHFRMSNorm(torch.nn.Module):
     norm without weight).
 
     ``kind`` is one of :data:`~.kinds.KINDS` (``"llama"``, ``"gemma"``, ``"olmo2"``, ...). ``eps`` is also
-    readable as ``variance_epsilon``, the name the llama kind uses in HF.
+    readable as ``variance_epsilon``, the name the llama kind uses in HF. ``group_size``: each group of that
+    many columns is normalized apart (None: the whole row).
     """
 
-    def __init__(self, weight, eps: float, kind: str = "llama", backend=None, source=None):
+    def __init__(self, weight, eps: float, kind: str = "llama", backend=None, source=None, *, group_size=None):
         super().__init__()
         self.kind = _kind(kind).name
         self.register_parameter("weight", _weight(weight))
+        if group_size is not None and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0
+            or (self.weight is not None and self.weight.shape[0] % group_size)
+        ):  # fmt: skip
+            raise ValueError(
+                f"group_size must be None or a positive int dividing the weight's length, got {group_size!r}"
+            )
+        self.group_size = group_size
         self.eps = float(eps)
         self.backend = backend
         self.source = source  # the replaced class's name, for repr
@@ -62,37 +71,37 @@ class TilegymHFRMSNorm(torch.nn.Module):
     weight_promotes = property(lambda self: KINDS_BY_NAME[self.kind].weight_promotes)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hf_rms_norm(hidden_states, self.weight, self.eps, KINDS_BY_NAME[self.kind], self.backend)
+        kind = KINDS_BY_NAME[self.kind]
+        return hf_rms_norm(hidden_states, self.weight, self.eps, kind, self.backend, group_size=self.group_size)
 
     def extra_repr(self) -> str:
         shape = tuple(self.weight.shape) if self.weight is not None else "no weight"
+        groups = f", group_size={self.group_size}" if self.group_size is not None else ""
         src = f", replaces={self.source}" if self.source else ""
-        return f"{shape}, eps={self.eps}, kind={self.kind!r}{src}"
+        return f"{shape}, eps={self.eps}, kind={self.kind!r}{groups}{src}"
 
 
 class TilegymHFGatedRMSNorm(TilegymHFRMSNorm):
-    """An HF gated RMSNorm (Qwen3-Next, Mamba2, FalconH1, ...) on :func:`tilegym_rms.gated_rms_norm`: ``forward(
-    hidden_states, gate=None)``; without a gate, the class's plain norm (of each group). ``kind`` gives the
-    roundings (``"llama"``: Qwen3-Next's and Mamba2's; ``"olmo2"``: FalconH1's, fp32 throughout)."""
+    """An HF gated RMSNorm (Qwen3-Next, Mamba2, FalconH1, ...) on :func:`tilegym_rms.gated_rms_norm`:
+    ``forward(hidden_states, gate=None)``, the silu gate after the norm (``norm_before_gate``) or before it;
+    without a gate, the class's plain norm. ``kind`` gives the roundings (``"llama"``: Qwen3-Next's and
+    Mamba2's; ``"olmo2"``: FalconH1's, fp32 throughout)."""
 
     def __init__(self, weight, eps: float, kind: str, *, norm_before_gate: bool, group_size=None, backend=None,
                  source=None):  # fmt: skip
-        super().__init__(weight, eps, kind, backend, source)
-        if self.weight is None:
+        if weight is None:
             raise ValueError("a gated norm needs its weight")
-        if group_size is not None and (group_size <= 0 or self.weight.shape[0] % group_size):
-            raise ValueError(f"group_size must be None or divide the weight's {self.weight.shape[0]}, got {group_size}")
+        super().__init__(weight, eps, kind, backend, source, group_size=group_size)
         self.norm_before_gate = bool(norm_before_gate)
-        self.group_size = group_size
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        gating = Gating(self.norm_before_gate, self.group_size)
         return hf_gated_rms_norm(
-            hidden_states, gate, self.weight, self.eps, KINDS_BY_NAME[self.kind], gating, self.backend
-        )
+            hidden_states, gate, self.weight, self.eps, KINDS_BY_NAME[self.kind], self.backend,
+            norm_before_gate=self.norm_before_gate, group_size=self.group_size,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, norm_before_gate={self.norm_before_gate}, group_size={self.group_size}"
+        return f"{super().extra_repr()}, norm_before_gate={self.norm_before_gate}"
 
 
 # Module state that belongs to whoever registered it, not to the computation: handed to the new module
@@ -164,12 +173,12 @@ def replacement(module, match: Match, backend=None):
         return None
     weight = module.weight if match.weighted else None
     source = type(module).__name__
-    if match.gating is None:
-        new = TilegymHFRMSNorm(weight, eps, match.kind.name, backend=backend, source=source)
+    if match.norm_before_gate is None:
+        new = TilegymHFRMSNorm(weight, eps, match.kind.name, backend, source, group_size=match.group_size)
     else:
         new = TilegymHFGatedRMSNorm(
-            weight, eps, match.kind.name, norm_before_gate=match.gating.norm_before_gate,
-            group_size=match.gating.group_size, backend=backend, source=source,
+            weight, eps, match.kind.name, norm_before_gate=match.norm_before_gate, group_size=match.group_size,
+            backend=backend, source=source,
         )  # fmt: skip
     new.train(module.training)
     _move_hooks(module, new)
