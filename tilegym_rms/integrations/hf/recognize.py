@@ -14,9 +14,9 @@ attributes: eps, ``with_scale``, ``group_size``, ``norm_before_gate``, ...) and 
 forward on inputs whose roundings tell the formulas apart, and takes the first formula of :data:`KINDS`
 (over the row or the groups its settings give; for a forward that takes a gate, with the silu gate before or
 after the norm) that gives the same bits and dtype on :mod:`tilegym_rms.reference` for 16-bit and fp32
-inputs and weights. A module whose
-forward reads anything else (a submodule, a tensor other than its weight, a setting the probe lacks) fails
-the probe and is left alone.
+inputs and weights. A module whose forward reads anything else (a submodule, a tensor other than its
+weight, a setting the probe lacks) fails the probe and is left alone; so does one holding state a
+replacement would drop (:func:`why_not_plain`).
 """
 
 from __future__ import annotations

@@ -187,14 +187,16 @@ def replacement(module, match: Match, backend=None):
 
 def apply_to_model(model: torch.nn.Module, *, backend=None, match_copies: bool = True) -> int:
     """Replaces every RMSNorm module of a known kind in ``model`` (in place) by a
-    :class:`TilegymHFRMSNorm` that holds the same ``weight`` Parameter. Returns how many modules it
-    replaced (a module reachable from several parents counts once).
+    :class:`TilegymHFRMSNorm` (a :class:`TilegymHFGatedRMSNorm` for a gated one) that holds the same
+    ``weight`` Parameter. Returns how many modules it replaced (a module reachable from several parents
+    counts once).
 
     Args:
         model: any ``torch.nn.Module``: a transformers model, a PEFT model, a submodule.
         backend: passed to :func:`tilegym_rms.rms_norm` (None chooses per device).
-        match_copies: also replace classes whose code is a copy of a known kind's (see
-            :mod:`.recognize`); False limits it to the classes in ``FAMILIES`` and their subclasses.
+        match_copies: also replace classes whose code is a copy of a known kind's, and ``*Norm*`` classes
+            whose forward computes one on the probe (see :mod:`.recognize`); False limits it to the classes
+            in ``FAMILIES`` and their subclasses.
 
     Modules whose class name contains ``RMSNorm`` but that compute no known formula (or hold state a
     replacement would lose) are left alone and named, with the reason, in one warning. Calling it again
