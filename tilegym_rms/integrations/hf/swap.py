@@ -1,9 +1,10 @@
-""":func:`apply_to_model`: the RMSNorm modules of a built model, swapped for :class:`TilegymHFRMSNorm`.
+""":func:`apply_to_model`: the RMSNorm modules of a built model, swapped for :class:`TilegymHFRMSNorm` (gated
+ones for :class:`TilegymHFGatedRMSNorm`).
 
-The replacement holds the *same* ``weight`` Parameter, so ``state_dict()`` keys and values, optimizer
-state, tied weights and PEFT wrappers are unchanged. Apply it before wrapping the model in FSDP /
-DeepSpeed (they keep references to the modules they own; it raises on an FSDP-wrapped model) and before
-``torch.compile``. Forward and backward hooks of a replaced module and an accelerate ``_hf_hook``
+The replacement holds the *same* ``weight`` Parameter (none for a weightless norm), so ``state_dict()``
+keys and values, optimizer state, tied weights and PEFT wrappers are unchanged. Apply it before wrapping
+the model in FSDP / DeepSpeed (they keep references to the modules they own; it raises on an FSDP-wrapped
+model) and before ``torch.compile``. Forward and backward hooks of a replaced module and an accelerate ``_hf_hook``
 (``device_map`` dispatch) move to the new module.
 """
 
@@ -16,27 +17,47 @@ import warnings
 import torch
 
 from ...module import RMSNorm as _TilegymRMSNorm
-from .kinds import KINDS, KINDS_BY_NAME, NormKind, hf_rms_norm
-from .recognize import kind_of, require_transformers
+from .kinds import KINDS, KINDS_BY_NAME, hf_gated_rms_norm, hf_rms_norm
+from .recognize import Match, match_module, require_transformers, why_left_alone
+
+
+def _kind(kind: str):
+    spec = KINDS_BY_NAME.get(kind)
+    if spec is None:
+        raise ValueError(f"kind must be one of {[k.name for k in KINDS]}, got {kind!r}")
+    return spec
+
+
+def _weight(weight):
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        raise ValueError(f"weight must be a 1-D tensor or None, got {type(weight).__name__}")
+    return weight if isinstance(weight, torch.nn.Parameter) else torch.nn.Parameter(weight)
 
 
 class TilegymHFRMSNorm(torch.nn.Module):
-    """An HF RMSNorm module on tilegym_rms kernels; holds the original module's ``weight`` Parameter.
+    """An HF RMSNorm module on tilegym_rms kernels; holds the original module's ``weight`` Parameter (None for a
+    norm without weight).
 
-    ``kind`` is ``"llama"``, ``"gemma"`` or ``"olmo2"`` (see :mod:`.kinds`). ``eps`` is also readable
-    as ``variance_epsilon``, the name the llama kind uses in HF.
+    ``kind`` is one of :data:`~.kinds.KINDS` (``"llama"``, ``"gemma"``, ``"olmo2"``, ...). ``eps`` is also
+    readable as ``variance_epsilon``, the name the llama kind uses in HF. ``group_size``: each group of that
+    many columns is normalized apart (None: the whole row).
     """
 
-    def __init__(self, weight: torch.nn.Parameter, eps: float, kind: str = "llama", backend=None, source=None):
+    def __init__(self, weight, eps: float, kind: str = "llama", backend=None, source=None, *, group_size=None):
         super().__init__()
-        spec = KINDS_BY_NAME.get(kind)
-        if spec is None:
-            raise ValueError(f"kind must be one of {[k.name for k in KINDS]}, got {kind!r}")
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
-            raise ValueError(f"weight must be a 1-D tensor, got {type(weight).__name__}")
-        self.weight = weight if isinstance(weight, torch.nn.Parameter) else torch.nn.Parameter(weight)
+        self.kind = _kind(kind).name
+        self.register_parameter("weight", _weight(weight))
+        if group_size is not None and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0
+            or (self.weight is not None and self.weight.shape[0] % group_size)
+        ):  # fmt: skip
+            raise ValueError(
+                f"group_size must be None or a positive int dividing the weight's length, got {group_size!r}"
+            )
+        self.group_size = group_size
         self.eps = float(eps)
-        self.kind = spec.name
         self.backend = backend
         self.source = source  # the replaced class's name, for repr
 
@@ -50,11 +71,37 @@ class TilegymHFRMSNorm(torch.nn.Module):
     weight_promotes = property(lambda self: KINDS_BY_NAME[self.kind].weight_promotes)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hf_rms_norm(hidden_states, self.weight, self.eps, KINDS_BY_NAME[self.kind], self.backend)
+        kind = KINDS_BY_NAME[self.kind]
+        return hf_rms_norm(hidden_states, self.weight, self.eps, kind, self.backend, group_size=self.group_size)
 
     def extra_repr(self) -> str:
+        shape = tuple(self.weight.shape) if self.weight is not None else "no weight"
+        groups = f", group_size={self.group_size}" if self.group_size is not None else ""
         src = f", replaces={self.source}" if self.source else ""
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, kind={self.kind!r}{src}"
+        return f"{shape}, eps={self.eps}, kind={self.kind!r}{groups}{src}"
+
+
+class TilegymHFGatedRMSNorm(TilegymHFRMSNorm):
+    """An HF gated RMSNorm (Qwen3-Next, Mamba2, FalconH1, ...) on :func:`tilegym_rms.gated_rms_norm`:
+    ``forward(hidden_states, gate=None)``, the silu gate after the norm (``norm_before_gate``) or before it;
+    without a gate, the class's plain norm. ``kind`` gives the roundings (``"llama"``: Qwen3-Next's and
+    Mamba2's; ``"olmo2"``: FalconH1's, fp32 throughout)."""
+
+    def __init__(self, weight, eps: float, kind: str, *, norm_before_gate: bool, group_size=None, backend=None,
+                 source=None):  # fmt: skip
+        if weight is None:
+            raise ValueError("a gated norm needs its weight")
+        super().__init__(weight, eps, kind, backend, source, group_size=group_size)
+        self.norm_before_gate = bool(norm_before_gate)
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        return hf_gated_rms_norm(
+            hidden_states, gate, self.weight, self.eps, KINDS_BY_NAME[self.kind], self.backend,
+            norm_before_gate=self.norm_before_gate, group_size=self.group_size,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, norm_before_gate={self.norm_before_gate}"
 
 
 # Module state that belongs to whoever registered it, not to the computation: handed to the new module
@@ -118,14 +165,21 @@ def _check_not_sharded(model: torch.nn.Module) -> None:
             )
 
 
-def _replacement(module, kind: NormKind, backend):
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, kind.eps_attr, None)
-    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
-        return None
+def replacement(module, match: Match, backend=None):
+    """The tilegym module that computes what ``module`` does (as ``match`` says), or None when its eps is not a
+    real number."""
+    eps = getattr(module, match.kind.eps_attr, None)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         return None
-    new = TilegymHFRMSNorm(weight, eps, kind.name, backend=backend, source=type(module).__name__)
+    weight = module.weight if match.weighted else None
+    source = type(module).__name__
+    if match.norm_before_gate is None:
+        new = TilegymHFRMSNorm(weight, eps, match.kind.name, backend, source, group_size=match.group_size)
+    else:
+        new = TilegymHFGatedRMSNorm(
+            weight, eps, match.kind.name, norm_before_gate=match.norm_before_gate, group_size=match.group_size,
+            backend=backend, source=source,
+        )  # fmt: skip
     new.train(module.training)
     _move_hooks(module, new)
     return new
@@ -133,50 +187,43 @@ def _replacement(module, kind: NormKind, backend):
 
 def apply_to_model(model: torch.nn.Module, *, backend=None, match_copies: bool = True) -> int:
     """Replaces every RMSNorm module of a known kind in ``model`` (in place) by a
-    :class:`TilegymHFRMSNorm` that holds the same ``weight`` Parameter. Returns how many modules it
-    replaced (a module reachable from several parents counts once).
+    :class:`TilegymHFRMSNorm` (a :class:`TilegymHFGatedRMSNorm` for a gated one) that holds the same
+    ``weight`` Parameter. Returns how many modules it replaced (a module reachable from several parents
+    counts once).
 
     Args:
         model: any ``torch.nn.Module``: a transformers model, a PEFT model, a submodule.
         backend: passed to :func:`tilegym_rms.rms_norm` (None chooses per device).
-        match_copies: also replace classes whose code is a copy of a known kind's (see
-            :mod:`.recognize`); False limits it to the classes in ``FAMILIES`` and their subclasses.
+        match_copies: also replace classes whose code is a copy of a known kind's, and ``*Norm*`` classes
+            whose forward computes one on the probe (see :mod:`.recognize`); False limits it to the classes
+            in ``FAMILIES`` and their subclasses.
 
-    Modules whose class name ends in ``RMSNorm`` but whose code is not a known kind's are left alone and
-    named in one warning. Calling it again replaces nothing more and returns 0.
+    Modules whose class name contains ``RMSNorm`` but that compute no known formula (or hold state a
+    replacement would lose) are left alone and named, with the reason, in one warning. Calling it again
+    replaces nothing more and returns 0.
     """
     require_transformers()
     _check_not_sharded(model)
-    kinds: dict[type, NormKind | None] = {}
-    replaced: dict[int, torch.nn.Module] = {}
+    replaced: dict[int, torch.nn.Module | None] = {}
     unknown: set[str] = set()
     edits = []
     for parent in model.modules():
         for name, child in parent._modules.items():
-            if child is None or isinstance(child, TilegymHFRMSNorm):
+            if child is None or isinstance(child, (TilegymHFRMSNorm, _TilegymRMSNorm)):
                 continue
-            cls = type(child)
-            if cls not in kinds:
-                kinds[cls] = kind_of(cls, match_copies)
-            kind = kinds[cls]
-            if kind is None:
-                if cls.__name__.endswith("RMSNorm") and not isinstance(child, _TilegymRMSNorm):
-                    unknown.add(cls.__name__)
-                continue
-            edits.append((parent, name, child, kind))
-    for parent, name, child, kind in edits:
-        new = replaced.get(id(child))
-        if new is None:
-            new = _replacement(child, kind, backend)
-            if new is None:
-                unknown.add(f"{type(child).__name__} (weight or eps of an unexpected type)")
-                continue
-            replaced[id(child)] = new
+            if id(child) not in replaced:
+                match = match_module(child, match_copies)
+                replaced[id(child)] = match and replacement(child, match, backend)
+                if replaced[id(child)] is None and "RMSNorm" in type(child).__name__:
+                    reason = why_left_alone(child) if match is None else "its eps is not a real number"
+                    unknown.add(f"{type(child).__name__} ({reason})")
+            if replaced[id(child)] is not None:
+                edits.append((parent, name, replaced[id(child)]))
+    for parent, name, new in edits:
         parent._modules[name] = new
     if unknown:
         warnings.warn(
-            "tilegym_rms.apply_to_model left these RMSNorm classes alone (their code is not a known HF RMSNorm "
-            f"formula): {', '.join(sorted(unknown))}",
+            f"tilegym_rms.apply_to_model left these RMSNorm classes alone: {', '.join(sorted(unknown))}",
             stacklevel=2,
         )
-    return len(replaced)
+    return len({id(new) for _, _, new in edits})
