@@ -58,12 +58,16 @@ OWN_GRIDS = {
     "qk_norm": (QK_NORM_DTYPE, QK_NORM_M, QK_NORM_N, QUICK_QK_NORM_M, QUICK_QK_NORM_N, QK_NORM_OPS),
     "fp8": (FP8_DTYPE, FP8_M, FP8_N, QUICK_FP8_M, QUICK_FP8_N, FP8_OPS),
 }
-# The fixed suites: dtype unless --dtype names one, then the (M, N) shapes of a full run and of --quick.
+# The fixed suites: dtype unless --dtype names one, the (M, N) shapes of a full run and of --quick, the ops.
+# Decode-sized calls are where an FP8 serving step spends its norms: latency also times the per-row FP8 op.
 SUITES = {
-    "latency": ("bf16", [(m, LATENCY_N) for m in LATENCY_M], [(m, LATENCY_N) for m in QUICK_LATENCY_M]),
-    "ascend-rs": ("fp32", ASCEND_RS, QUICK_ASCEND_RS),
-    "large": ("bf16", [(LARGE_M, n) for n in LARGE_N], [(LARGE_M, n) for n in QUICK_LARGE_N]),
-}
+    "latency": (
+        "bf16", [(m, LATENCY_N) for m in LATENCY_M], [(m, LATENCY_N) for m in QUICK_LATENCY_M],
+        ("forward", "full", "fp8_token"),
+    ),
+    "ascend-rs": ("fp32", ASCEND_RS, QUICK_ASCEND_RS, ("forward", "full")),
+    "large": ("bf16", [(LARGE_M, n) for n in LARGE_N], [(LARGE_M, n) for n in QUICK_LARGE_N], ("forward", "full")),
+}  # fmt: skip
 
 DESCRIPTION = """\
 Times RMSNorm (last-dim, with weight, eps 1e-6, Llama casting) for tilegym_rms and its peers.
@@ -77,7 +81,8 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              traffic = forward + rstd write (M fp32) + backward.
   (forward/backward/full run over the grid M x N x dtype: --M, --N, --dtype.)
   latency    host + device wall clock per eager call: time.perf_counter around back-to-back calls with one
-             sync at the end; M in {1, 8, 64, 512}, N = 4096, bf16; ops forward and full; microseconds.
+             sync at the end; M in {1, 8, 64, 512}, N = 4096, bf16; ops forward, full and fp8_token (as in
+             fp8, its providers); microseconds.
   ascend-rs  the ascend-rs suite: (M, N) in (1,768) (1,4096) (64,768) (64,4096) (1024,4096), fp32,
              ops forward and full.
   large      large hidden sizes: N in {32768, 65536, 131072, 262144} at M = 4096, bf16, ops forward, full;
@@ -185,10 +190,10 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, str, list[tuple[str, 
             ns = args.N if args.explicit_N else (quick_ns if args.quick else ns)
             out += [(measure, op, measure, grid_configs(dtypes, list(ms), list(ns))) for op in ops]
             continue
-        dtype, shapes, quick_shapes = SUITES[measure]
+        dtype, shapes, quick_shapes, ops = SUITES[measure]
         dtypes = args.dtype if args.explicit_dtype else [dtype]
         configs = [(d, m, n) for d in dtypes for m, n in (quick_shapes if args.quick else shapes)]
-        out += [(measure, op, measure, configs) for op in ("forward", "full")]
+        out += [(measure, op, measure, configs) for op in ops]
     return out
 
 
@@ -251,11 +256,11 @@ OP_TITLES = {
 
 def split_providers(args: argparse.Namespace) -> None:
     """--providers for the RMSNorm measures (rms_providers), fused_add (fused_providers), qk_norm (qk_providers)
-    and fp8 (fp8_providers); without --providers each list has its own default. A list
+    and the FP8 ops of fp8 and latency (fp8_providers); without --providers each list has its own default. A list
     is empty when no measure needs it."""
     rms = [m for m in args.measure if m not in ("fused_add", "qk_norm", "fp8")]
     fused, qk = "fused_add" in args.measure, "qk_norm" in args.measure
-    fp8 = "fp8" in args.measure
+    fp8 = "fp8" in args.measure or "latency" in args.measure
     if args.explicit_providers:
         args.rms_providers = list(args.providers) if rms else []
         args.fused_providers = list(args.providers) if fused else []

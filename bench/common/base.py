@@ -74,8 +74,8 @@ FUSED_ADD_PROVIDERS_DEFAULT = (
     "quack",
 )
 
-# RMSNorm with FP8 output (bench_rmsnorm.py --measure fp8): ours, the reference's norm and quantization compiled
-# together, our norm then the reference's quantization.
+# RMSNorm with FP8 output (bench_rmsnorm.py --measure fp8, and the latency measure's fp8_token): ours, the
+# reference's norm and quantization compiled together, our norm then the reference's quantization.
 FP8_PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "torch.compile", "tilegym_rms-unfused")
 
 # The held-out shapes and the large hidden sizes run beside quack too (it publishes its wide-row bandwidth); it

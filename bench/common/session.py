@@ -254,17 +254,17 @@ class Session:
         take turns, one repetition each: a busy stretch of a shared host then slows every provider alike
         instead of whichever ran during it (PERFORMANCE.md, "How to measure")."""
         points = []
-        total = len(ms) * len(self.providers)
+        chosen = self.providers_for(op)
+        total = len(ms) * len(chosen)
         idx = 0
         dtype = base.DTYPES[dtype_name]
         for m in ms:
             if self.aborted:
                 break
-            sets = providers.InputSets(
-                m, n, dtype, self.device, 1, self.args.seed, self.args.eps, need_dy=op != "forward"
-            )
+            need_dy = op not in ("forward", *traffic.FP8_OPS)
+            sets = providers.InputSets(m, n, dtype, self.device, 1, self.args.seed, self.args.eps, need_dy=need_dy)
             timed = []  # [point, its call or None once it failed], one per provider, in order
-            for provider in self.providers:
+            for provider in chosen:
                 extra = {"N": n, "dtype": dtype_name, "suite": "latency"}
                 p = records.Point(
                     self.kernel_name, op, "latency", provider.name, dtype_name, m, n, "M", "rows M", m, extra

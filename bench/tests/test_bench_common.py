@@ -459,7 +459,7 @@ def test_fp8_bytes():
 
 def test_fp8_measure_plans_its_grid_ops_and_providers(capsys):
     """fp8 runs its four ops on its own bf16 grid (quick: 4096 x 4096) with ours, the compiled reference and the
-    unfused pair."""
+    unfused pair; latency adds the per-row op at its decode sizes, with the same providers."""
     args, steps = _heldout_plan(["--measure", "fp8"])
     grid = [("bf16", m, n) for m in (4096, 32768) for n in (2048, 4096, 5120, 8192)]
     assert [(measure, op, suite) for measure, op, suite, _ in steps] == [
@@ -472,6 +472,10 @@ def test_fp8_measure_plans_its_grid_ops_and_providers(capsys):
     assert all(configs == [("bf16", 4096, 4096)] for *_, configs in steps)
     _, steps = _heldout_plan(["--measure", "fp8", "--M", "8", "--N", "96", "--dtype", "fp16"])
     assert all(configs == [("fp16", 8, 96)] for *_, configs in steps)
+    args, steps = _heldout_plan(["--measure", "latency"])
+    assert [op for _, op, _, _ in steps] == ["forward", "full", "fp8_token"]
+    assert steps[2][3] == [("bf16", m, 4096) for m in (1, 8, 64, 512)]
+    assert args.fp8_providers == list(base.FP8_PROVIDERS_DEFAULT) and "liger" in args.rms_providers
     assert bench_rmsnorm.main(["--measure", "fp8", "--dry-run"]) == 0
     out = capsys.readouterr().out
     mb = traffic.op_bytes("fp8_add_token", 32768, 8192, 2) / 1e6
@@ -517,3 +521,20 @@ def test_fp8_measure_cpu_mode(tmp_path, monkeypatch, capsys):
         assert json.loads(rec["extra_benchmark_config_str"])["suite"] == "fp8"
         assert rec["x_values"] == [384] and not rec.get("mismatch_x_values")
         assert all(0 < e <= base.FP8_TOLERANCE for e in rec["rel_err"])
+
+
+def test_latency_times_the_fp8_op_with_the_fp8_providers(tmp_path, monkeypatch):
+    """The latency loop runs an FP8 op with the FP8 providers, each call checked against float64."""
+    monkeypatch.setenv(base.CPU_ENV, "1")
+    argv = ["--reps", "2", "--out", str(tmp_path), "--no-plot"]
+    args = cli_args.finish_args(bench_rmsnorm.build_parser().parse_args(argv))
+    run = session.Session(args, "k", "k.json")
+    names = ["tilegym_rms-unfused", "torch"]
+    run.fp8_providers, skipped = providers.discover_fp8_providers(names, run.device, args.eps, run.mod)
+    assert not skipped
+    run.providers = [providers.Provider("plain", lambda x, w: x)]  # not an FP8 provider: never called
+    points = run.run_latency("fp8_token", [1, 8], 256, "bf16", calls=2, warmup=1)
+    assert [(p.provider, p.m) for p in points] == [
+        (name, m) for m in (1, 8) for name in ("tilegym_rms-unfused", "torch")
+    ]
+    assert all(p.ok and set(p.errs) == {"y_q"} and len(p.us) == 2 for p in points)
