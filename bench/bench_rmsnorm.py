@@ -14,7 +14,7 @@ from bench.common.session import grid_configs, grid_label, start_session
 
 KERNEL_NAME = "rms_norm"
 JSON_NAME = "rms_norm.json"
-MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add", "qk_norm", "heldout")
+MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add", "qk_norm", "fp8", "heldout")
 GRID_MEASURES = ("forward", "backward", "full")
 QUICK_DEFAULT_MEASURES = GRID_MEASURES
 # The held-out shapes (bench/heldout.json, each with its own dtype): the grid measures' ops, in a file of their
@@ -45,17 +45,29 @@ QK_NORM_N = (64, 128, 256)
 QUICK_QK_NORM_M = (1 << 16, 1 << 20)
 QUICK_QK_NORM_N = (128,)
 QK_NORM_OPS = traffic.QK_OPS  # forward and backward on each layout of q and k
+# RMSNorm with FP8 (e4m3fn) output, inference: per-row, per-group and static scales, and the fused add.
+FP8_DTYPE = "bf16"
+FP8_M = (4096, 32768)
+FP8_N = (2048, 4096, 5120, 8192)
+QUICK_FP8_M = (4096,)
+QUICK_FP8_N = (4096,)
+FP8_OPS = tuple(traffic.FP8_OPS)
 # The measures with an M x N grid of their own: (dtype, M, N, quick M, quick N, ops).
 OWN_GRIDS = {
     "fused_add": (FUSED_ADD_DTYPE, FUSED_ADD_M, FUSED_ADD_N, QUICK_FUSED_ADD_M, QUICK_FUSED_ADD_N, FUSED_ADD_OPS),
     "qk_norm": (QK_NORM_DTYPE, QK_NORM_M, QK_NORM_N, QUICK_QK_NORM_M, QUICK_QK_NORM_N, QK_NORM_OPS),
+    "fp8": (FP8_DTYPE, FP8_M, FP8_N, QUICK_FP8_M, QUICK_FP8_N, FP8_OPS),
 }
-# The fixed suites: dtype unless --dtype names one, then the (M, N) shapes of a full run and of --quick.
+# The fixed suites: dtype unless --dtype names one, the (M, N) shapes of a full run and of --quick, the ops.
+# Decode-sized calls are where an FP8 serving step spends its norms: latency also times the per-row FP8 op.
 SUITES = {
-    "latency": ("bf16", [(m, LATENCY_N) for m in LATENCY_M], [(m, LATENCY_N) for m in QUICK_LATENCY_M]),
-    "ascend-rs": ("fp32", ASCEND_RS, QUICK_ASCEND_RS),
-    "large": ("bf16", [(LARGE_M, n) for n in LARGE_N], [(LARGE_M, n) for n in QUICK_LARGE_N]),
-}
+    "latency": (
+        "bf16", [(m, LATENCY_N) for m in LATENCY_M], [(m, LATENCY_N) for m in QUICK_LATENCY_M],
+        ("forward", "full", "fp8_token"),
+    ),
+    "ascend-rs": ("fp32", ASCEND_RS, QUICK_ASCEND_RS, ("forward", "full")),
+    "large": ("bf16", [(LARGE_M, n) for n in LARGE_N], [(LARGE_M, n) for n in QUICK_LARGE_N], ("forward", "full")),
+}  # fmt: skip
 
 DESCRIPTION = """\
 Times RMSNorm (last-dim, with weight, eps 1e-6, Llama casting) for tilegym_rms and its peers.
@@ -69,7 +81,8 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              traffic = forward + rstd write (M fp32) + backward.
   (forward/backward/full run over the grid M x N x dtype: --M, --N, --dtype.)
   latency    host + device wall clock per eager call: time.perf_counter around back-to-back calls with one
-             sync at the end; M in {1, 8, 64, 512}, N = 4096, bf16; ops forward and full; microseconds.
+             sync at the end; M in {1, 8, 64, 512}, N = 4096, bf16; ops forward, full and fp8_token (as in
+             fp8, its providers); microseconds.
   ascend-rs  the ascend-rs suite: (M, N) in (1,768) (1,4096) (64,768) (64,4096) (1024,4096), fp32,
              ops forward and full.
   large      large hidden sizes: N in {32768, 65536, 131072, 262144} at M = 4096, bf16, ops forward, full;
@@ -90,12 +103,18 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              contiguous; _transposed, their (B, H, S, N) transposes, gradients contiguous (B, H, S, N);
              _qkv, the q and k slices of one fused qkv projection (B, S, H, N), gradients as autograd hands
              them back from a .transpose(1, 2) consumer (a (B, H, S, N) tensor, transposed). B = 2.
+  fp8        RMSNorm with FP8 output for an FP8 GEMM, inference: (y_q, scales) = provider(x, w), y_q
+             float8_e4m3fn; M in {4096, 32768} x N in {2048, 4096, 5120, 8192}, bf16, under torch.no_grad().
+             Four ops: fp8_token (dynamic scales, one per row), fp8_group (one per 128 columns of a row),
+             fp8_static (a given per-tensor scale), fp8_add_token (r += x in place, then fp8_token of r);
+             traffic = read x (and r), w; write y_q (1 byte per element), the scales (fp32; the static one
+             read) (and the sum). The check dequantizes y_q (y_q * scales) against float64 math (limit 2^-4).
   heldout    the held-out shapes: forward, backward and full (as above) on exactly the (M, N, dtype)
              shapes of bench/heldout.json, which no tuning run may use (--dtype/--M/--N do not apply);
              default providers add quack. Written to <out>/heldout.json, not rms_norm.json;
              bench/heldout_report.py reads it against the performance targets.
-  An explicit --dtype also applies to latency, ascend-rs, large, fused_add and qk_norm; --M/--N only to the
-  grid measures, fused_add and qk_norm.
+  An explicit --dtype also applies to latency, ascend-rs, large, fused_add, qk_norm and fp8; --M/--N only to
+  the grid measures, fused_add, qk_norm and fp8.
 
 providers: tilegym_rms-cutile, tilegym_rms-triton (those available_backends() says can run), torch
 (eager F.rms_norm), torch.compile (Llama-style fp32 RMSNorm, dynamic=False), liger (LigerRMSNormFunction,
@@ -108,6 +127,10 @@ prenorm=True); tilegym_rms-torch on request. --providers applies to both lists.
 qk_norm providers: tilegym_rms-cutile (tilegym_rms.qk_rms_norm, one launch each way), and each of torch,
 torch.compile, liger and quack (quack.rmsnorm.rmsnorm(x, w, eps=eps) on q's and k's rows, reshaped to 2-D;
 skipped where it does not import) called on q and on k; tilegym_rms-triton / -torch on request.
+fp8 providers: tilegym_rms-cutile (tilegym_rms.rms_norm_fp8, fused_add_rms_norm_fp8: one kernel), torch.compile
+(tilegym_rms.reference.rms_norm_fp8_reference, the norm and its quantization, as one compiled function),
+tilegym_rms-unfused (tilegym_rms.rms_norm, or fused_add_rms_norm_ in place, then the reference's quantize_fp8);
+torch (the reference, eager) and tilegym_rms-triton / -torch on request (their norm, then torch's quantization).
 """
 
 EPILOG = """\
@@ -115,7 +138,8 @@ timing: sum of device kernel/memcpy/memset durations from torch.profiler per cal
 --timing cuda-events for CUDA events instead); median of --reps repetitions with 20th/80th percentiles,
 each repetition one pass over input sets that total > 4x L2. GB/s are also given as % of a 1 GiB
 device-to-device copy measured in the same run. The first call of each provider and shape is checked
-against float64 math (rel. error limit 1e-2 bf16/fp16, 1e-4 fp32); failures are marked '!'.
+against float64 math (rel. error limit 1e-2 bf16/fp16, 1e-4 fp32; 2^-4 for an fp8 output, dequantized);
+failures are marked '!'.
 
 output: tables on stdout, a progress line per configuration on stderr, Liger-format JSON merged into
 <out>/rms_norm.json (heldout: <out>/heldout.json; re-runs replace matching points, so the grid can be split
@@ -128,6 +152,7 @@ examples:
   python -m bench.bench_rmsnorm --measure full --dtype bf16 --M 32768 --providers tilegym_rms-cutile,liger
   python -m bench.bench_rmsnorm --measure fused_add
   python -m bench.bench_rmsnorm --measure qk_norm
+  python -m bench.bench_rmsnorm --measure fp8
   python -m bench.bench_rmsnorm --measure heldout && python -m bench.heldout_report
 exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 """
@@ -165,10 +190,10 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, str, list[tuple[str, 
             ns = args.N if args.explicit_N else (quick_ns if args.quick else ns)
             out += [(measure, op, measure, grid_configs(dtypes, list(ms), list(ns))) for op in ops]
             continue
-        dtype, shapes, quick_shapes = SUITES[measure]
+        dtype, shapes, quick_shapes, ops = SUITES[measure]
         dtypes = args.dtype if args.explicit_dtype else [dtype]
         configs = [(d, m, n) for d in dtypes for m, n in (quick_shapes if args.quick else shapes)]
-        out += [(measure, op, measure, configs) for op in ("forward", "full")]
+        out += [(measure, op, measure, configs) for op in ops]
     return out
 
 
@@ -212,11 +237,16 @@ TITLES = {
     "large": "RMSNorm large hidden sizes",
     "fused_add": "Residual add + RMSNorm (mode pre)",
     "qk_norm": "QK-norm (q and k per head)",
+    "fp8": "RMSNorm with FP8 output (e4m3fn)",
     "heldout": "RMSNorm held-out shapes",
 }
 OP_TITLES = {
     "fused_add_fwd": "forward",
     "fused_add_bwd": "backward (autograd)",
+    "fp8_token": "dynamic per-row scales",
+    "fp8_group": f"dynamic scales per {traffic.FP8_GROUP_SIZE} columns",
+    "fp8_static": "static scale",
+    "fp8_add_token": "residual add in place, per-row scales",
     **{
         op: ("forward" if op.startswith("qk_fwd") else "backward (autograd)") + f", {traffic.qk_op_parts(op)[1]}"
         for op in traffic.QK_OPS
@@ -225,21 +255,26 @@ OP_TITLES = {
 
 
 def split_providers(args: argparse.Namespace) -> None:
-    """--providers for the RMSNorm measures (rms_providers), fused_add (fused_providers) and qk_norm
-    (qk_providers); without --providers each list has its own default. A list is empty when no measure needs it."""
-    rms = [m for m in args.measure if m not in ("fused_add", "qk_norm")]
+    """--providers for the RMSNorm measures (rms_providers), fused_add (fused_providers), qk_norm (qk_providers)
+    and the FP8 ops of fp8 and latency (fp8_providers); without --providers each list has its own default. A list
+    is empty when no measure needs it."""
+    rms = [m for m in args.measure if m not in ("fused_add", "qk_norm", "fp8")]
     fused, qk = "fused_add" in args.measure, "qk_norm" in args.measure
+    fp8 = "fp8" in args.measure or "latency" in args.measure
     if args.explicit_providers:
         args.rms_providers = list(args.providers) if rms else []
         args.fused_providers = list(args.providers) if fused else []
         args.qk_providers = list(args.providers) if qk else []
+        args.fp8_providers = list(args.providers) if fp8 else []
     else:
         with_quack = any(m in base.QUACK_BY_DEFAULT for m in rms)
         rms_default = base.HELDOUT_PROVIDERS_DEFAULT if with_quack else base.PROVIDERS_DEFAULT
         args.rms_providers = list(rms_default) if rms else []
         args.fused_providers = list(base.FUSED_ADD_PROVIDERS_DEFAULT) if fused else []
         args.qk_providers = list(base.QK_PROVIDERS_DEFAULT) if qk else []
-        args.providers = list(dict.fromkeys(args.rms_providers + args.fused_providers + args.qk_providers))
+        args.fp8_providers = list(base.FP8_PROVIDERS_DEFAULT) if fp8 else []
+        lists = (args.rms_providers, args.fused_providers, args.qk_providers, args.fp8_providers)
+        args.providers = list(dict.fromkeys(name for names in lists for name in names))
 
 
 def main(argv: list[str] | None = None) -> int:

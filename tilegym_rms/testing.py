@@ -10,7 +10,7 @@ import torch
 
 from . import reference
 
-__all__ = ["chunked_errors", "fp8_step_errors", "fused_add_errors", "rel_err", "strided"]
+__all__ = ["chunked_errors", "fp8_dequantize", "fp8_step_errors", "fused_add_errors", "rel_err", "strided"]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: float | None = None) -> float:
@@ -147,19 +147,29 @@ def fused_add_errors(
 _FP8_LAYOUT = {torch.float8_e4m3fn: (-6, 3), torch.float8_e5m2: (-14, 2)}
 
 
+def _element_scales(scales: torch.Tensor, n: int, group_size) -> torch.Tensor:
+    """``scales`` (one element, ``(..., 1)`` or per group of ``group_size`` columns) in float64, broadcastable
+    to rows of ``n`` elements."""
+    s = scales.double()
+    if s.numel() == 1:
+        return s.reshape(())
+    return s if group_size is None else s.repeat_interleave(group_size, -1)[..., :n]
+
+
+def fp8_dequantize(y_q: torch.Tensor, scales: torch.Tensor, group_size=None) -> torch.Tensor:
+    """``y_q * scales`` in float64 (exact: an fp8 value times an fp32 scale fits float64's mantissa), ``scales``
+    as :func:`fp8_step_errors` takes them: what an FP8 GEMM reads back of a quantized output."""
+    return y_q.double() * _element_scales(scales, y_q.shape[-1], group_size)
+
+
 def fp8_step_errors(y_q: torch.Tensor, scales: torch.Tensor, y64: torch.Tensor, group_size=None) -> float:
     """The largest distance of ``y_q`` from ``saturate(y64 / scale)`` (``y64``: the norm in float64; ``scales``:
     the call's, one element, ``(..., 1)`` or per group of ``group_size`` columns), in steps of ``y_q``'s fp8 dtype
     at the larger of the two magnitudes: a correct quantization of a ``y`` within rounding of ``y64`` is at most
     about half a step off. A NaN where the other has none counts as infinitely far; NaN against NaN as 0."""
     emin, mbits = _FP8_LAYOUT[y_q.dtype]
-    s = scales.double()
-    if s.numel() == 1:
-        s = s.reshape(())
-    elif group_size is not None:
-        s = s.repeat_interleave(group_size, -1)[..., : y64.shape[-1]]
     fp8_max = torch.finfo(y_q.dtype).max
-    want = (y64.double() / s).clamp(-fp8_max, fp8_max)
+    want = (y64.double() / _element_scales(scales, y64.shape[-1], group_size)).clamp(-fp8_max, fp8_max)
     got = y_q.double()
     magnitude = torch.maximum(got.abs(), want.abs()).clamp(min=2.0**emin)
     err = (got - want).abs() / torch.exp2(torch.floor(torch.log2(magnitude)) - mbits)

@@ -18,6 +18,16 @@ REPO_ROOT = BENCH_DIR.parent  # RESULTS.md lives beside the README
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 1e-2, "fp16": 1e-2, "fp32": 1e-4}
+# An FP8 output dequantized (error "y_q"): e4m3's half step at the bottom of a binade, 2^-4 of the value, bounds
+# every normal element's rounding, so a correct quantization stays below it (randn rows: 0.026); a wrong scale
+# or a saturated row does not.
+FP8_TOLERANCE = 2.0**-4
+
+
+def tolerance(err_name: str, dtype_name: str) -> float:
+    """The limit of the relative error ``err_name`` of an output computed from ``dtype_name`` inputs."""
+    return FP8_TOLERANCE if err_name == "y_q" else TOLERANCE[dtype_name]
+
 
 GRID_M = (4096, 32768)
 GRID_N = (1024, 2048, 4096, 5120, 7168, 8192, 16384)
@@ -51,8 +61,9 @@ PROVIDERS_ALL = (
     "quack",
 )
 PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "tilegym_rms-triton", "torch", "torch.compile", "liger", "tilegym")
-# The residual add fused with RMSNorm (bench_rmsnorm.py --measure fused_add); this one runs only there.
-FUSED_ADD_ONLY = ("tilegym_rms-unfused",)
+# Our RMSNorm and a second step in torch: the residual add before it (bench_rmsnorm.py --measure fused_add) or
+# the FP8 quantization after it (--measure fp8); it runs only there.
+UNFUSED_ONLY = ("tilegym_rms-unfused",)
 FUSED_ADD_PROVIDERS_DEFAULT = (
     "tilegym_rms-cutile",
     "tilegym_rms-triton",
@@ -62,6 +73,10 @@ FUSED_ADD_PROVIDERS_DEFAULT = (
     "liger",
     "quack",
 )
+
+# RMSNorm with FP8 output (bench_rmsnorm.py --measure fp8, and the latency measure's fp8_token): ours, the
+# reference's norm and quantization compiled together, our norm then the reference's quantization.
+FP8_PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "torch.compile", "tilegym_rms-unfused")
 
 # The held-out shapes and the large hidden sizes run beside quack too (it publishes its wide-row bandwidth); it
 # is skipped, with the reason, where it does not import.

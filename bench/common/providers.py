@@ -75,8 +75,8 @@ def discover_providers(
     avail, tilegym_rms, tilegym_rms_error = _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error)
     for name in names:
         try:
-            if name in base.FUSED_ADD_ONLY:
-                skipped[name] = "a fused add + RMSNorm provider (--measure fused_add only)"
+            if name in base.UNFUSED_ONLY:
+                skipped[name] = "our RMSNorm plus a step in torch (--measure fused_add and fp8 only)"
             elif name.startswith("tilegym_rms-"):
                 backend = name.split("-", 1)[1]
                 if tilegym_rms is None:
@@ -184,6 +184,71 @@ def discover_fused_add_providers(
         except Exception as exc:  # noqa: BLE001 - an absent or broken peer is skipped, not fatal
             skipped[name] = base.short_error(exc)
     return found, skipped
+
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_STATIC_AMAX = 10.0
+
+
+def discover_fp8_providers(
+    names: list[str], device: torch.device, eps: float, tilegym_rms=None, tilegym_rms_error: str = ""
+) -> tuple[list[Provider], dict[str, str]]:
+    """The requested providers of RMSNorm with FP8 output that can run on ``device``, and a reason for each
+    skipped one. Each ``forward`` is (x, r, w, **quant) -> (y_q, scales, s): ``r`` None, or the residual that x is
+    added to first (``s`` the sum, None without ``r``); ``quant`` as :func:`fp8_quant`. Inference only."""
+    found: list[Provider] = []
+    skipped: dict[str, str] = {}
+    avail, tilegym_rms, tilegym_rms_error = _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error)
+    for name in names:
+        try:
+            if tilegym_rms is None and (name.startswith("tilegym_rms-") or name in ("torch", "torch.compile")):
+                skipped[name] = f"tilegym_rms not importable ({tilegym_rms_error})"
+            elif name == "tilegym_rms-unfused":  # what a caller writes without the fused op: the norm, then quantize
+
+                def unfused(x, r, w, mod=tilegym_rms, **quant):
+                    y = mod.rms_norm(x, w, eps) if r is None else mod.fused_add_rms_norm_(x, r, w, eps)
+                    return (*mod.reference.quantize_fp8(y, **quant), r)
+
+                found.append(Provider(name, unfused))
+            elif name.startswith("tilegym_rms-"):
+                backend = name.split("-", 1)[1]
+                ok, why = avail.get(backend, (False, "not reported by available_backends"))
+                if not ok:
+                    skipped[name] = why or "not available"
+                    continue
+
+                def fused(x, r, w, mod=tilegym_rms, backend=backend, **quant):
+                    if r is None:
+                        return (*mod.rms_norm_fp8(x, w, eps, backend=backend, **quant), None)
+                    return (*mod.fused_add_rms_norm_fp8(x, r, w, eps, backend=backend, **quant), r)
+
+                found.append(Provider(name, fused))
+            elif name in ("torch", "torch.compile"):  # the reference's norm and quantization, eager or compiled
+
+                def ref(x, r, w, f=tilegym_rms.reference.rms_norm_fp8_reference, **quant):
+                    return f(x, w, eps, residual=r, **quant)
+
+                if name == "torch.compile":
+                    configure_compile()
+                    ref = torch.compile(ref, dynamic=False)
+                found.append(Provider(name, ref))
+            else:
+                skipped[name] = f"no RMSNorm with FP8 output in {name}"
+        except Exception as exc:  # noqa: BLE001 - an absent or broken peer is skipped, not fatal
+            skipped[name] = base.short_error(exc)
+    return found, skipped
+
+
+def fp8_quant(op: str, device) -> dict:
+    """The quantization arguments of an FP8 op (traffic.FP8_OPS), e4m3fn. The static scale stands for a calibrated
+    one: the benchmark's normalized rows (randn x, weight 1 +- 0.1) stay below FP8_STATIC_AMAX, none saturates."""
+    scales = traffic.FP8_OPS[op][0]
+    quant = {"out_dtype": FP8_DTYPE}
+    if scales == "static":
+        quant["scale"] = torch.full((1,), FP8_STATIC_AMAX / torch.finfo(FP8_DTYPE).max, device=device)
+    else:
+        quant["group_size"] = traffic.FP8_GROUP_SIZE if scales == "group" else None
+    return quant
 
 
 def discover_qk_providers(
@@ -335,6 +400,11 @@ class InputSets:
         return [torch.rsqrt(x.float().square().mean(-1) + self.eps) for x in self.x]
 
     @cached_property
+    def r_initial(self) -> torch.Tensor:
+        """Set 0's residual as built (read before any call): an op that adds into it in place restores it."""
+        return self.r[0].clone()
+
+    @cached_property
     def xg(self) -> list[torch.Tensor]:
         return _leaves(self.x)
 
@@ -365,6 +435,17 @@ def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[
     built here and ``call`` replays ``torch.autograd.grad((y, residual_out), (x, r, w), (dy, dres),
     retain_graph=True)``.
     """
+    if op in traffic.FP8_OPS:
+        quant, add = fp8_quant(op, sets.x[0].device), traffic.FP8_OPS[op][1]
+        if add:  # each call adds x into r in place: set 0's first call here is checked against r as built
+            sets.r[0].copy_(sets.r_initial)
+
+        def call_fp8(i):
+            with torch.no_grad():
+                y_q, scales, s = provider.forward(sets.x[i], sets.r[i] if add else None, sets.w[i], **quant)
+            return {"y_q": y_q, "scales": scales} | ({"res": s} if add else {})
+
+        return call_fp8, ""
     if op in traffic.QK_OPS and traffic.qk_op_parts(op)[0] == "fwd":
 
         def call_qk_fwd(i):
@@ -445,7 +526,20 @@ def relative_errors(
 
 
 def output_errors(op: str, sets: InputSets, eps: float, outputs: dict) -> dict[str, float]:
-    """Relative errors of ``outputs`` (of ``op`` on set 0) against float64 math."""
+    """Relative errors of ``outputs`` (of ``op`` on set 0) against float64 math; an FP8 output dequantized, as
+    ``y_q``."""
+    if op in traffic.FP8_OPS:
+        from tilegym_rms.testing import fp8_dequantize, fused_add_errors
+
+        scales, add = traffic.FP8_OPS[op]
+        group_size = traffic.FP8_GROUP_SIZE if scales == "group" else None
+        y = fp8_dequantize(outputs["y_q"], outputs["scales"], group_size)
+        if add:
+            errs = fused_add_errors(sets.x[0], sets.r_initial, sets.w[0], eps, {"y": y, "res": outputs["res"]},
+                                    chunk_elems=1 << 25)  # fmt: skip
+        else:
+            errs = relative_errors(sets.x[0], sets.w[0], eps, {"y": y})
+        return {"y_q": errs.pop("y"), **errs}
     if op in traffic.QK_OPS:  # q's outputs by their plain names, k's with the suffix _k
         k_outs = {name[:-2]: v for name, v in outputs.items() if name.endswith("_k")}
         errs = relative_errors(sets.k[0], sets.wk[0], eps, k_outs, sets.dyk[0] if sets.dyk else None)
@@ -462,5 +556,4 @@ def output_errors(op: str, sets: InputSets, eps: float, outputs: dict) -> dict[s
 
 
 def check_ok(errs: dict[str, float], dtype_name: str) -> bool:
-    tol = base.TOLERANCE[dtype_name]
-    return all(math.isfinite(e) and e <= tol for e in errs.values())
+    return all(math.isfinite(e) and e <= base.tolerance(name, dtype_name) for name, e in errs.items())

@@ -67,7 +67,10 @@ def mismatch_lines(points: list[records.Point]) -> list[str]:
     for p in points:
         if p.ok is False:
             errs = ", ".join(f"{k}={v:.2e}" for k, v in p.errs.items())
-            out.append(f"  ! {p.provider} {p.op} {p.dtype} M={p.m} N={p.n}: {errs} (limit {base.TOLERANCE[p.dtype]:g})")
+            tols = {k: base.tolerance(k, p.dtype) for k in p.errs}
+            one = set(tols.values())
+            limit = f"{one.pop():g}" if len(one) == 1 else ", ".join(f"{k} {t:g}" for k, t in tols.items())
+            out.append(f"  ! {p.provider} {p.op} {p.dtype} M={p.m} N={p.n}: {errs} (limit {limit})")
         if p.error:
             out.append(f"  ERR {p.provider} {p.op} {p.dtype} M={p.m} N={p.n}: {p.error}")
     return out

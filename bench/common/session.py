@@ -59,6 +59,9 @@ class Session:
         # QK-norm: providers with forward (q, k, wq, wk) -> (q_out, k_out)
         self.qk_providers: list[providers.Provider] = []
         self.qk_skipped: dict[str, str] = {}
+        # RMSNorm with FP8 output: providers with forward (x, r or None, w, **quant) -> (y_q, scales, sum or None)
+        self.fp8_providers: list[providers.Provider] = []
+        self.fp8_skipped: dict[str, str] = {}
         self.aborted = False
         self.extra_points: list[tuple] = []  # free-form extras a script records (e.g. workspace sizes)
 
@@ -85,6 +88,9 @@ class Session:
             self.fused_providers, self.fused_skipped = self._discover(
                 providers.discover_fused_add_providers, fused_names, "fused add "
             )
+        fp8_names = getattr(self.args, "fp8_providers", None) or []
+        if fp8_names:
+            self.fp8_providers, self.fp8_skipped = self._discover(providers.discover_fp8_providers, fp8_names, "fp8 ")
         print(f"  results: {self.out_dir}", flush=True)
 
     def _discover(self, discover, names: list[str], label: str):
@@ -198,9 +204,9 @@ class Session:
         skip: tuple[str, ...] = (),
     ) -> list[records.Point]:
         """Measure every provider on every (dtype, M, N) in ``configs`` for ``op``; ``label`` gives
-        (x_name, x_label, x_value, extra) of a configuration. The fused-add ops run the fused-add providers."""
+        (x_name, x_label, x_value, extra) of a configuration. Each op runs its providers (:meth:`providers_for`)."""
         points: list[records.Point] = []
-        fused = op in traffic.FUSED_ADD_OPS
+        fused = op in traffic.FUSED_ADD_OPS or traffic.FP8_OPS.get(op, (None, False))[1]
         chosen = [p for p in self.providers_for(op) if p.name not in skip]
         total = len(configs) * len(chosen)
         idx = 0
@@ -215,7 +221,7 @@ class Session:
             try:
                 sets = providers.InputSets(
                     m, n, dtype, self.device, n_sets, self.args.seed, self.args.eps,
-                    need_dy=op not in ("forward", "fused_add_fwd") and not op.startswith("qk_fwd"),
+                    need_dy=op not in ("forward", "fused_add_fwd", *traffic.FP8_OPS) and not op.startswith("qk_fwd"),
                     need_residual=fused, qk=traffic.qk_op_parts(op)[1] if op in traffic.QK_OPS else "",
                 )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the largest shapes
@@ -248,17 +254,17 @@ class Session:
         take turns, one repetition each: a busy stretch of a shared host then slows every provider alike
         instead of whichever ran during it (PERFORMANCE.md, "How to measure")."""
         points = []
-        total = len(ms) * len(self.providers)
+        chosen = self.providers_for(op)
+        total = len(ms) * len(chosen)
         idx = 0
         dtype = base.DTYPES[dtype_name]
         for m in ms:
             if self.aborted:
                 break
-            sets = providers.InputSets(
-                m, n, dtype, self.device, 1, self.args.seed, self.args.eps, need_dy=op != "forward"
-            )
+            need_dy = op not in ("forward", *traffic.FP8_OPS)
+            sets = providers.InputSets(m, n, dtype, self.device, 1, self.args.seed, self.args.eps, need_dy=need_dy)
             timed = []  # [point, its call or None once it failed], one per provider, in order
-            for provider in self.providers:
+            for provider in chosen:
                 extra = {"N": n, "dtype": dtype_name, "suite": "latency"}
                 p = records.Point(
                     self.kernel_name, op, "latency", provider.name, dtype_name, m, n, "M", "rows M", m, extra
@@ -294,6 +300,8 @@ class Session:
         return points
 
     def providers_for(self, op: str) -> list[providers.Provider]:
+        if op in traffic.FP8_OPS:
+            return self.fp8_providers
         if op in traffic.QK_OPS:
             return self.qk_providers
         return self.fused_providers if op in traffic.FUSED_ADD_OPS else self.providers
@@ -401,7 +409,7 @@ def start_session(args, dry_run_plan, kernel_name: str, json_name: str, suite_js
         return code
     session = Session(args, kernel_name, json_name, suite_json)
     session.start()
-    if not session.providers and not session.fused_providers and not session.qk_providers:
+    if not (session.providers or session.fused_providers or session.qk_providers or session.fp8_providers):
         print("no provider can run; nothing to do", file=sys.stderr)
         return 2
     return session

@@ -71,7 +71,35 @@ def qk_backward_bytes(m: int, n: int, elt: int) -> int:
     return sum(backward_bytes(rows, n, elt) for rows in qk_rows(m))
 
 
+# FP8-output ops (tilegym_rms.rms_norm_fp8, fused_add_rms_norm_fp8), e4m3fn: op -> (scales, fused add); scales
+# "token" (one fp32 per row), "group" (one per FP8_GROUP_SIZE columns of a row) or "static" (one, read).
+FP8_GROUP_SIZE = 128
+FP8_OPS = {
+    "fp8_token": ("token", False),
+    "fp8_group": ("group", False),
+    "fp8_static": ("static", False),
+    "fp8_add_token": ("token", True),
+}
+
+
+def fp8_scale_count(op: str, m: int, n: int) -> int:
+    """fp32 scales one call of an FP8 op moves: written per row or per group, or the static one read."""
+    scales = FP8_OPS[op][0]
+    if scales == "static":
+        return 1
+    return m * (1 if scales == "token" else -(-n // FP8_GROUP_SIZE))
+
+
+def fp8_bytes(op: str, m: int, n: int, elt: int) -> int:
+    """Minimal FP8-output traffic: read x (and the residual) and w; write y_q (1 byte per element), the scales
+    and, with the fused add, the sum over the residual."""
+    add = FP8_OPS[op][1]
+    return (1 + 2 * add) * m * n * elt + m * n + n * elt + 4 * fp8_scale_count(op, m, n)
+
+
 def op_bytes(op: str, m: int, n: int, elt: int) -> int:
+    if op in FP8_OPS:
+        return fp8_bytes(op, m, n, elt)
     if op in QK_OPS:
         return (qk_forward_bytes if qk_op_parts(op)[0] == "fwd" else qk_backward_bytes)(m, n, elt)
     if op == "fused_add_fwd":
@@ -89,6 +117,8 @@ def op_bytes(op: str, m: int, n: int, elt: int) -> int:
 
 def read_bytes(op: str, m: int, n: int, elt: int) -> int:
     """Bytes one call reads from its input set (what the rotation has to push out of L2)."""
+    if op in FP8_OPS:
+        return (1 + FP8_OPS[op][1]) * m * n * elt + n * elt
     if op in QK_OPS:
         plain = "forward" if qk_op_parts(op)[0] == "fwd" else "backward"
         return sum(read_bytes(plain, rows, n, elt) for rows in qk_rows(m))

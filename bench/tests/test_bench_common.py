@@ -14,7 +14,7 @@ from bench import bench_rmsnorm
 from bench.common import base, cli_args, providers, records, report, session, timing, traffic
 from bench.tools import kernel_resources as kr
 from bench.tools import ncu_compare
-from tilegym_rms import testing
+from tilegym_rms import reference, testing
 
 
 def test_bytes():
@@ -443,3 +443,98 @@ def test_ncu_compare_profiles_one_checked_call_per_provider():
     assert events == ["right"] * 2 + ["start", "right", "stop"] + ["wrong"] * 2 + ["start", "wrong", "stop"]
     assert failed == 1
     assert line.startswith("8x64 fp32 forward: right (ok") and "wrong (WRONG" in line
+
+
+def test_fp8_bytes():
+    """Read x (and r) and w; write y_q (1 byte), the fp32 scales (read: the static one) and the sum over r."""
+    m, n = 4096, 5120
+    assert traffic.op_bytes("fp8_token", m, n, 2) == 2 * m * n + m * n + 2 * n + 4 * m
+    assert traffic.op_bytes("fp8_group", m, n, 2) == 2 * m * n + m * n + 2 * n + 4 * m * 40
+    assert traffic.op_bytes("fp8_group", m, 1000, 2) == 3 * m * 1000 + 2 * 1000 + 4 * m * 8  # a narrow last group
+    assert traffic.op_bytes("fp8_static", m, n, 2) == 2 * m * n + m * n + 2 * n + 4
+    assert traffic.op_bytes("fp8_add_token", m, n, 2) == (2 + 2 + 2) * m * n + m * n + 2 * n + 4 * m
+    assert traffic.read_bytes("fp8_token", m, n, 2) == 2 * m * n + 2 * n
+    assert traffic.read_bytes("fp8_add_token", m, n, 2) == 4 * m * n + 2 * n
+
+
+def test_fp8_measure_plans_its_grid_ops_and_providers(capsys):
+    """fp8 runs its four ops on its own bf16 grid (quick: 4096 x 4096) with ours, the compiled reference and the
+    unfused pair; latency adds the per-row op at its decode sizes, with the same providers."""
+    args, steps = _heldout_plan(["--measure", "fp8"])
+    grid = [("bf16", m, n) for m in (4096, 32768) for n in (2048, 4096, 5120, 8192)]
+    assert [(measure, op, suite) for measure, op, suite, _ in steps] == [
+        ("fp8", op, "fp8") for op in ("fp8_token", "fp8_group", "fp8_static", "fp8_add_token")
+    ]
+    assert all(configs == grid for *_, configs in steps)
+    assert args.fp8_providers == ["tilegym_rms-cutile", "torch.compile", "tilegym_rms-unfused"]
+    assert args.rms_providers == [] and args.fused_providers == [] and args.qk_providers == []
+    _, steps = _heldout_plan(["--measure", "fp8", "--quick"])
+    assert all(configs == [("bf16", 4096, 4096)] for *_, configs in steps)
+    _, steps = _heldout_plan(["--measure", "fp8", "--M", "8", "--N", "96", "--dtype", "fp16"])
+    assert all(configs == [("fp16", 8, 96)] for *_, configs in steps)
+    args, steps = _heldout_plan(["--measure", "latency"])
+    assert [op for _, op, _, _ in steps] == ["forward", "full", "fp8_token"]
+    assert steps[2][3] == [("bf16", m, 4096) for m in (1, 8, 64, 512)]
+    assert args.fp8_providers == list(base.FP8_PROVIDERS_DEFAULT) and "liger" in args.rms_providers
+    assert bench_rmsnorm.main(["--measure", "fp8", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    mb = traffic.op_bytes("fp8_add_token", 32768, 8192, 2) / 1e6
+    assert "-- fp8 / fp8_add_token: 8 configurations" in out and f"bf16 M=32768 N=8192: {mb:.1f} MB/call" in out
+    assert "total configurations: 32" in out
+
+
+def test_fp8_check_dequantizes_against_float64():
+    """A correct quantization passes at each granularity; a scale a quarter off, or the scales of another row
+    group, fail; the fused add's sum is checked against x + r as built."""
+    sets = providers.InputSets(32, 320, torch.bfloat16, "cpu", 1, 0, 1e-6, need_dy=False, need_residual=True)
+    ref = reference.rms_norm_fp8_reference
+    for op in traffic.FP8_OPS:
+        add = traffic.FP8_OPS[op][1]
+        y_q, scales, s = ref(sets.x[0], sets.w[0], 1e-6, residual=sets.r[0] if add else None,
+                             **providers.fp8_quant(op, "cpu"))  # fmt: skip
+        good = {"y_q": y_q, "scales": scales} | ({"res": s} if add else {})
+        errs = providers.output_errors(op, sets, 1e-6, good)
+        assert providers.check_ok(errs, "bf16") and set(errs) == {"y_q"} | ({"res"} if add else set()), (op, errs)
+        assert not providers.check_ok(providers.output_errors(op, sets, 1e-6, good | {"scales": scales * 1.25}), "bf16")
+        if add:
+            assert not providers.check_ok(providers.output_errors(op, sets, 1e-6, good | {"res": s + 0.05}), "bf16")
+    y_q, scales, _ = ref(sets.x[0], sets.w[0], 1e-6, **providers.fp8_quant("fp8_group", "cpu"))
+    swapped = {"y_q": y_q, "scales": scales.flip(-1)}  # each group scaled by another's amax
+    assert not providers.check_ok(providers.output_errors("fp8_group", sets, 1e-6, swapped), "bf16")
+
+
+def test_fp8_measure_cpu_mode(tmp_path, monkeypatch, capsys):
+    """--measure fp8 in the CPU test mode: every op of every provider checked ok, ours and the unfused pair adding
+    into the same residuals in place (each first call is checked against them as built); a peer without an FP8
+    output is skipped with the reason."""
+    monkeypatch.setenv(base.CPU_ENV, "1")
+    argv = ["--measure", "fp8", "--M", "64", "--N", "384", "--reps", "2", "--out", str(tmp_path)]
+    argv += ["--providers", "tilegym_rms-torch,tilegym_rms-unfused,torch,liger", "--no-plot"]
+    assert bench_rmsnorm.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fp8 provider liger skipped: no RMSNorm with FP8 output in liger" in out
+    assert "RMSNorm with FP8 output (e4m3fn), residual add in place, per-row scales" in out
+    saved = [r for r in json.loads((tmp_path / "rms_norm.json").read_text()) if r["metric_name"] == "throughput"]
+    assert {r["kernel_operation_mode"] for r in saved} == set(traffic.FP8_OPS)
+    assert {r["kernel_provider"] for r in saved} == {"tilegym_rms-torch", "tilegym_rms-unfused", "torch"}
+    for rec in saved:
+        assert json.loads(rec["extra_benchmark_config_str"])["suite"] == "fp8"
+        assert rec["x_values"] == [384] and not rec.get("mismatch_x_values")
+        assert all(0 < e <= base.FP8_TOLERANCE for e in rec["rel_err"])
+
+
+def test_latency_times_the_fp8_op_with_the_fp8_providers(tmp_path, monkeypatch):
+    """The latency loop runs an FP8 op with the FP8 providers, each call checked against float64."""
+    monkeypatch.setenv(base.CPU_ENV, "1")
+    argv = ["--reps", "2", "--out", str(tmp_path), "--no-plot"]
+    args = cli_args.finish_args(bench_rmsnorm.build_parser().parse_args(argv))
+    run = session.Session(args, "k", "k.json")
+    names = ["tilegym_rms-unfused", "torch"]
+    run.fp8_providers, skipped = providers.discover_fp8_providers(names, run.device, args.eps, run.mod)
+    assert not skipped
+    run.providers = [providers.Provider("plain", lambda x, w: x)]  # not an FP8 provider: never called
+    points = run.run_latency("fp8_token", [1, 8], 256, "bf16", calls=2, warmup=1)
+    assert [(p.provider, p.m) for p in points] == [
+        (name, m) for m in (1, 8) for name in ("tilegym_rms-unfused", "torch")
+    ]
+    assert all(p.ok and set(p.errs) == {"y_q"} and len(p.us) == 2 for p in points)
