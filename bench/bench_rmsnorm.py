@@ -9,12 +9,12 @@ import argparse
 import json
 import sys
 
-from bench.common import base, cli_args
+from bench.common import base, cli_args, gated
 from bench.common.session import grid_configs, grid_label, start_session
 
 KERNEL_NAME = "rms_norm"
 JSON_NAME = "rms_norm.json"
-MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add", "qk_norm", "heldout")
+MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add", "qk_norm", "gated", "heldout")
 GRID_MEASURES = ("forward", "backward", "full")
 QUICK_DEFAULT_MEASURES = GRID_MEASURES
 # The held-out shapes (bench/heldout.json, each with its own dtype): the grid measures' ops, in a file of their
@@ -45,10 +45,17 @@ QK_NORM_N = (64, 128, 256)
 QUICK_QK_NORM_M = (1 << 16, 1 << 20)
 QUICK_QK_NORM_N = (128,)
 QK_NORM_OPS = ("qk_fwd", "qk_bwd")
+# The gated RMSNorm: M rows of N columns (groups as bench/common/gated.py lays them out), unless --M/--N name others.
+GATED_DTYPE = "bf16"
+GATED_M = (8192, 65536)
+GATED_N = (128, 2048, 4096, 8192)
+QUICK_GATED_M = (8192,)
+QUICK_GATED_N = (128, 4096)
 # The measures with an M x N grid of their own: (dtype, M, N, quick M, quick N, ops).
 OWN_GRIDS = {
     "fused_add": (FUSED_ADD_DTYPE, FUSED_ADD_M, FUSED_ADD_N, QUICK_FUSED_ADD_M, QUICK_FUSED_ADD_N, FUSED_ADD_OPS),
     "qk_norm": (QK_NORM_DTYPE, QK_NORM_M, QK_NORM_N, QUICK_QK_NORM_M, QUICK_QK_NORM_N, QK_NORM_OPS),
+    "gated": (GATED_DTYPE, GATED_M, GATED_N, QUICK_GATED_M, QUICK_GATED_N, gated.OPS),
 }
 # The fixed suites: dtype unless --dtype names one, then the (M, N) shapes of a full run and of --quick.
 SUITES = {
@@ -85,6 +92,13 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              qk_bwd  the forward graph is built OUTSIDE the timed region; the timed call is
                      torch.autograd.grad((yq, yk), (q, k, wq, wk), (dyq, dyk), retain_graph=True);
                      traffic = the backward of q and of k (read x, dy, w, rstd; write dx, dw).
+  gated      gated RMSNorm (hybrid models): y = provider(x, z, w), M in {8192, 65536} x N in {128, 2048, 4096,
+             8192}, bf16 x; rows of 1024 columns or more in 8 groups (Mamba2), narrower as one group. Eight
+             ops gated_{fwd,bwd}_{before,after}_{bf16gate,fp32gate}: the norm before the gate
+             (rms_norm(x) * w * silu(z), Qwen3-Next) or after it (rms_norm(x * silu(z)) * w, Mamba2), with a
+             bf16 or an fp32 gate. fwd under torch.no_grad(); traffic = read x, z, w + write y. bwd: the
+             forward graph is built OUTSIDE the timed region, the timed call is torch.autograd.grad(y, (x, z,
+             w), dy, retain_graph=True); traffic = read x, z, dy, w, rstd (fp32 per group) + write dx, dz, dw.
   heldout    the held-out shapes: forward, backward and full (as above) on exactly the (M, N, dtype)
              shapes of bench/heldout.json, which no tuning run may use (--dtype/--M/--N do not apply);
              default providers add quack. Written to <out>/heldout.json, not rms_norm.json;
@@ -102,6 +116,10 @@ that function), liger (LigerFusedAddRMSNormFunction), quack (quack.rmsnorm.rmsno
 prenorm=True); tilegym_rms-torch on request. --providers applies to both lists.
 qk_norm providers: tilegym_rms-cutile (tilegym_rms.qk_rms_norm, one launch each way), and each of torch,
 torch.compile and liger called on q and on k; tilegym_rms-triton / -torch on request.
+gated providers: tilegym_rms-cutile, tilegym_rms-triton (tilegym_rms.gated_rms_norm, casting 'llama'),
+tilegym_rms-unfused (tilegym_rms.rms_norm, then torch's silu and products), torch.compile (of Hugging Face's
+gated forward: Qwen3NextRMSNormGated, FalconH1RMSNormGated with groups, MambaRMSNormGated after the gate), and
+mamba-torch (mamba_ssm's gated norm semantics, fp32 throughout, in eager torch).
 """
 
 EPILOG = """\
@@ -122,6 +140,7 @@ examples:
   python -m bench.bench_rmsnorm --measure full --dtype bf16 --M 32768 --providers tilegym_rms-cutile,liger
   python -m bench.bench_rmsnorm --measure fused_add
   python -m bench.bench_rmsnorm --measure qk_norm
+  python -m bench.bench_rmsnorm --measure gated
   python -m bench.bench_rmsnorm --measure heldout && python -m bench.heldout_report
 exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 """
@@ -206,6 +225,7 @@ TITLES = {
     "large": "RMSNorm large hidden sizes",
     "fused_add": "Residual add + RMSNorm (mode pre)",
     "qk_norm": "QK-norm (q and k per head)",
+    "gated": "Gated RMSNorm",
     "heldout": "RMSNorm held-out shapes",
 }
 OP_TITLES = {
@@ -213,24 +233,29 @@ OP_TITLES = {
     "fused_add_bwd": "backward (autograd)",
     "qk_fwd": "forward",
     "qk_bwd": "backward (autograd)",
+    **{op: gated.title(op) for op in gated.OPS},
 }
 
 
 def split_providers(args: argparse.Namespace) -> None:
-    """--providers for the RMSNorm measures (rms_providers), fused_add (fused_providers) and qk_norm
-    (qk_providers); without --providers each list has its own default. A list is empty when no measure needs it."""
-    rms = [m for m in args.measure if m not in ("fused_add", "qk_norm")]
-    fused, qk = "fused_add" in args.measure, "qk_norm" in args.measure
+    """--providers for the RMSNorm measures (rms_providers), fused_add (fused_providers), qk_norm (qk_providers)
+    and gated (gated_providers); without --providers each list has its own default. A list is empty when no
+    measure needs it."""
+    rms = [m for m in args.measure if m not in ("fused_add", "qk_norm", "gated")]
+    fused, qk, gated_norm = "fused_add" in args.measure, "qk_norm" in args.measure, "gated" in args.measure
     if args.explicit_providers:
         args.rms_providers = list(args.providers) if rms else []
         args.fused_providers = list(args.providers) if fused else []
         args.qk_providers = list(args.providers) if qk else []
+        args.gated_providers = list(args.providers) if gated_norm else []
     else:
         rms_default = base.HELDOUT_PROVIDERS_DEFAULT if "heldout" in rms else base.PROVIDERS_DEFAULT
         args.rms_providers = list(rms_default) if rms else []
         args.fused_providers = list(base.FUSED_ADD_PROVIDERS_DEFAULT) if fused else []
         args.qk_providers = list(base.QK_PROVIDERS_DEFAULT) if qk else []
-        args.providers = list(dict.fromkeys(args.rms_providers + args.fused_providers + args.qk_providers))
+        args.gated_providers = list(gated.PROVIDERS_DEFAULT) if gated_norm else []
+        chosen = args.rms_providers + args.fused_providers + args.qk_providers + args.gated_providers
+        args.providers = list(dict.fromkeys(chosen))
 
 
 def main(argv: list[str] | None = None) -> int:

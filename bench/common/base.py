@@ -49,10 +49,12 @@ PROVIDERS_ALL = (
     "liger",
     "tilegym",
     "quack",
+    "mamba-torch",
 )
 PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "tilegym_rms-triton", "torch", "torch.compile", "liger", "tilegym")
-# The residual add fused with RMSNorm (bench_rmsnorm.py --measure fused_add); this one runs only there.
-FUSED_ADD_ONLY = ("tilegym_rms-unfused",)
+# The residual add fused with RMSNorm (bench_rmsnorm.py --measure fused_add) and the gated norm (--measure
+# gated): these run only there.
+FUSED_ADD_ONLY = ("tilegym_rms-unfused", "mamba-torch")
 FUSED_ADD_PROVIDERS_DEFAULT = (
     "tilegym_rms-cutile",
     "tilegym_rms-triton",

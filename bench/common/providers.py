@@ -11,7 +11,7 @@ from functools import cached_property
 
 import torch
 
-from bench.common import base
+from bench.common import base, gated
 
 
 @dataclass
@@ -76,7 +76,7 @@ def discover_providers(
     for name in names:
         try:
             if name in base.FUSED_ADD_ONLY:
-                skipped[name] = "a fused add + RMSNorm provider (--measure fused_add only)"
+                skipped[name] = "a fused add or gated RMSNorm provider (--measure fused_add or gated only)"
             elif name.startswith("tilegym_rms-"):
                 backend = name.split("-", 1)[1]
                 if tilegym_rms is None:
@@ -258,6 +258,7 @@ class InputSets:
         need_dy: bool = True,
         need_residual: bool = False,
         qk: bool = False,
+        gate_dtype: torch.dtype | None = None,
     ):
         g = torch.Generator(device=device)
         g.manual_seed(seed)
@@ -282,6 +283,10 @@ class InputSets:
             [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)]
             if need_residual and need_dy
             else []
+        )
+        # gated RMSNorm: the gate z, in its own dtype
+        self.z = (
+            [torch.randn(m, n_cols, device=device, generator=g).to(gate_dtype) for _ in range(n)] if gate_dtype else []
         )
         self.eps = eps
 
@@ -310,6 +315,10 @@ class InputSets:
     def rg(self) -> list[torch.Tensor]:
         return _leaves(self.r)
 
+    @cached_property
+    def zg(self) -> list[torch.Tensor]:
+        return _leaves(self.z)
+
 
 def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[int], dict], str]:
     """``call(i)`` running ``op`` on set ``i`` and returning its outputs by name, and a note on how.
@@ -321,6 +330,8 @@ def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[
     built here and ``call`` replays ``torch.autograd.grad((y, residual_out), (x, r, w), (dy, dres),
     retain_graph=True)``.
     """
+    if op in gated.OPS:
+        return _gated_call(op, provider, sets), ""
     if op == "qk_fwd":
 
         def call_qk_fwd(i):
@@ -390,6 +401,26 @@ def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[
     raise ValueError(f"unknown op {op!r}")
 
 
+def _gated_call(op: str, provider: Provider, sets: InputSets) -> Callable[[int], dict]:
+    """The gated ops' calls, as the plain forward's and backward's: (x, z, w) under no_grad, or the forward graphs
+    built here and ``torch.autograd.grad(y, (x, z, w), dy, retain_graph=True)`` replayed."""
+    direction, norm_before_gate, _ = gated.parse(op)
+    if direction == "fwd":
+
+        def call_fwd(i):
+            with torch.no_grad():
+                return {"y": provider.forward(sets.x[i], sets.z[i], sets.w[i], norm_before_gate)}
+
+        return call_fwd
+    ys = [provider.forward(sets.xg[i], sets.zg[i], sets.wg[i], norm_before_gate) for i in range(sets.n)]
+
+    def call_bwd(i):
+        dx, dz, dw = torch.autograd.grad(ys[i], (sets.xg[i], sets.zg[i], sets.wg[i]), sets.dy[i], retain_graph=True)
+        return {"dx": dx, "dz": dz, "dw": dw}
+
+    return call_bwd
+
+
 def relative_errors(
     x: torch.Tensor, w: torch.Tensor, eps: float, outputs: dict, dy: torch.Tensor | None = None
 ) -> dict[str, float]:
@@ -402,6 +433,9 @@ def relative_errors(
 
 def output_errors(op: str, sets: InputSets, eps: float, outputs: dict) -> dict[str, float]:
     """Relative errors of ``outputs`` (of ``op`` on set 0) against float64 math."""
+    if op in gated.OPS:
+        dy = sets.dy[0] if sets.dy else None
+        return gated.errors(sets.x[0], sets.z[0], sets.w[0], dy, outputs, gated.parse(op)[1], eps)
     if op in ("qk_fwd", "qk_bwd"):  # q's outputs by their plain names, k's with the suffix _k
         k_outs = {name[:-2]: v for name, v in outputs.items() if name.endswith("_k")}
         errs = relative_errors(sets.k[0], sets.wk[0], eps, k_outs, sets.dyk[0] if sets.dyk else None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from bench.common import base
+from bench.common import base, gated
 
 
 def forward_bytes(m: int, n: int, elt: int, w_elt: int | None = None) -> int:
@@ -60,6 +60,8 @@ def qk_backward_bytes(m: int, n: int, elt: int) -> int:
 
 
 def op_bytes(op: str, m: int, n: int, elt: int) -> int:
+    if op in gated.OPS:
+        return gated.op_bytes(op, m, n, elt)
     if op == "qk_fwd":
         return qk_forward_bytes(m, n, elt)
     if op == "qk_bwd":
@@ -79,6 +81,8 @@ def op_bytes(op: str, m: int, n: int, elt: int) -> int:
 
 def read_bytes(op: str, m: int, n: int, elt: int) -> int:
     """Bytes one call reads from its input set (what the rotation has to push out of L2)."""
+    if op in gated.OPS:
+        return gated.read_bytes(op, m, n, elt)
     if op in QK_OPS:
         return sum(read_bytes("forward" if op == "qk_fwd" else "backward", rows, n, elt) for rows in qk_rows(m))
     if op == "fused_add_fwd":
