@@ -9,12 +9,24 @@ import argparse
 import json
 import sys
 
-from bench.common import base, cli_args, traffic
+from bench.common import base, cli_args, gated, traffic
 from bench.common.session import grid_configs, grid_label, start_session
 
 KERNEL_NAME = "rms_norm"
 JSON_NAME = "rms_norm.json"
-MEASURES = ("forward", "backward", "full", "latency", "ascend-rs", "large", "fused_add", "qk_norm", "fp8", "heldout")
+MEASURES = (
+    "forward",
+    "backward",
+    "full",
+    "latency",
+    "ascend-rs",
+    "large",
+    "fused_add",
+    "qk_norm",
+    "fp8",
+    "gated",
+    "heldout",
+)
 GRID_MEASURES = ("forward", "backward", "full")
 QUICK_DEFAULT_MEASURES = GRID_MEASURES
 # The held-out shapes (bench/heldout.json, each with its own dtype): the grid measures' ops, in a file of their
@@ -52,11 +64,18 @@ FP8_N = (2048, 4096, 5120, 8192)
 QUICK_FP8_M = (4096,)
 QUICK_FP8_N = (4096,)
 FP8_OPS = tuple(traffic.FP8_OPS)
+# The gated RMSNorm: M rows of N columns (groups as bench/common/gated.py lays them out), unless --M/--N name others.
+GATED_DTYPE = "bf16"
+GATED_M = (8192, 65536)
+GATED_N = (128, 2048, 4096, 8192)
+QUICK_GATED_M = (8192,)
+QUICK_GATED_N = (128, 4096)
 # The measures with an M x N grid of their own: (dtype, M, N, quick M, quick N, ops).
 OWN_GRIDS = {
     "fused_add": (FUSED_ADD_DTYPE, FUSED_ADD_M, FUSED_ADD_N, QUICK_FUSED_ADD_M, QUICK_FUSED_ADD_N, FUSED_ADD_OPS),
     "qk_norm": (QK_NORM_DTYPE, QK_NORM_M, QK_NORM_N, QUICK_QK_NORM_M, QUICK_QK_NORM_N, QK_NORM_OPS),
     "fp8": (FP8_DTYPE, FP8_M, FP8_N, QUICK_FP8_M, QUICK_FP8_N, FP8_OPS),
+    "gated": (GATED_DTYPE, GATED_M, GATED_N, QUICK_GATED_M, QUICK_GATED_N, gated.OPS),
 }
 # The fixed suites: dtype unless --dtype names one, the (M, N) shapes of a full run and of --quick, the ops.
 # Decode-sized calls are where an FP8 serving step spends its norms: latency also times the per-row FP8 op.
@@ -109,12 +128,19 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              fp8_static (a given per-tensor scale), fp8_add_token (r += x in place, then fp8_token of r);
              traffic = read x (and r), w; write y_q (1 byte per element), the scales (fp32; the static one
              read) (and the sum). The check dequantizes y_q (y_q * scales) against float64 math (limit 2^-4).
+  gated      gated RMSNorm (hybrid models): y = provider(x, z, w), M in {8192, 65536} x N in {128, 2048, 4096,
+             8192}, bf16 x; rows of 1024 columns or more in 8 groups (Mamba2), narrower as one group. Eight
+             ops gated_{fwd,bwd}_{before,after}_{bf16gate,fp32gate}: the norm before the gate
+             (rms_norm(x) * w * silu(z), Qwen3-Next) or after it (rms_norm(x * silu(z)) * w, Mamba2), with a
+             bf16 or an fp32 gate. fwd under torch.no_grad(); traffic = read x, z, w + write y. bwd: the
+             forward graph is built OUTSIDE the timed region, the timed call is torch.autograd.grad(y, (x, z,
+             w), dy, retain_graph=True); traffic = read x, z, dy, w, rstd (fp32 per group) + write dx, dz, dw.
   heldout    the held-out shapes: forward, backward and full (as above) on exactly the (M, N, dtype)
              shapes of bench/heldout.json, which no tuning run may use (--dtype/--M/--N do not apply);
              default providers add quack. Written to <out>/heldout.json, not rms_norm.json;
              bench/heldout_report.py reads it against the performance targets.
-  An explicit --dtype also applies to latency, ascend-rs, large, fused_add, qk_norm and fp8; --M/--N only to
-  the grid measures, fused_add, qk_norm and fp8.
+  An explicit --dtype also applies to latency, ascend-rs, large, fused_add, qk_norm, fp8 and gated; --M/--N
+  only to the grid measures, fused_add, qk_norm, fp8 and gated.
 
 providers: tilegym_rms-cutile, tilegym_rms-triton (those available_backends() says can run), torch
 (eager F.rms_norm), torch.compile (Llama-style fp32 RMSNorm, dynamic=False), liger (LigerRMSNormFunction,
@@ -131,6 +157,10 @@ fp8 providers: tilegym_rms-cutile (tilegym_rms.rms_norm_fp8, fused_add_rms_norm_
 (tilegym_rms.reference.rms_norm_fp8_reference, the norm and its quantization, as one compiled function),
 tilegym_rms-unfused (tilegym_rms.rms_norm, or fused_add_rms_norm_ in place, then the reference's quantize_fp8);
 torch (the reference, eager) and tilegym_rms-triton / -torch on request (their norm, then torch's quantization).
+gated providers: tilegym_rms-cutile, tilegym_rms-triton (tilegym_rms.gated_rms_norm, casting 'llama'),
+tilegym_rms-unfused (tilegym_rms.rms_norm, then torch's silu and products), torch.compile (of Hugging Face's
+gated forward: Qwen3NextRMSNormGated, FalconH1RMSNormGated with groups, MambaRMSNormGated after the gate), and
+mamba-torch (mamba_ssm's gated norm semantics, fp32 throughout, in eager torch).
 """
 
 EPILOG = """\
@@ -153,6 +183,7 @@ examples:
   python -m bench.bench_rmsnorm --measure fused_add
   python -m bench.bench_rmsnorm --measure qk_norm
   python -m bench.bench_rmsnorm --measure fp8
+  python -m bench.bench_rmsnorm --measure gated
   python -m bench.bench_rmsnorm --measure heldout && python -m bench.heldout_report
 exit codes: 0 ok, 1 a provider hit a fatal CUDA error, 2 no GPU / bad arguments.
 """
@@ -238,6 +269,7 @@ TITLES = {
     "fused_add": "Residual add + RMSNorm (mode pre)",
     "qk_norm": "QK-norm (q and k per head)",
     "fp8": "RMSNorm with FP8 output (e4m3fn)",
+    "gated": "Gated RMSNorm",
     "heldout": "RMSNorm held-out shapes",
 }
 OP_TITLES = {
@@ -251,21 +283,23 @@ OP_TITLES = {
         op: ("forward" if op.startswith("qk_fwd") else "backward (autograd)") + f", {traffic.qk_op_parts(op)[1]}"
         for op in traffic.QK_OPS
     },
+    **{op: gated.title(op) for op in gated.OPS},
 }
 
 
 def split_providers(args: argparse.Namespace) -> None:
     """--providers for the RMSNorm measures (rms_providers), fused_add (fused_providers), qk_norm (qk_providers)
-    and the FP8 ops of fp8 and latency (fp8_providers); without --providers each list has its own default. A list
-    is empty when no measure needs it."""
-    rms = [m for m in args.measure if m not in ("fused_add", "qk_norm", "fp8")]
-    fused, qk = "fused_add" in args.measure, "qk_norm" in args.measure
+    the FP8 ops of fp8 and latency (fp8_providers) and gated (gated_providers); without --providers each list has
+    its own default. A list is empty when no measure needs it."""
+    rms = [m for m in args.measure if m not in ("fused_add", "qk_norm", "fp8", "gated")]
+    fused, qk, gated_norm = "fused_add" in args.measure, "qk_norm" in args.measure, "gated" in args.measure
     fp8 = "fp8" in args.measure or "latency" in args.measure
     if args.explicit_providers:
         args.rms_providers = list(args.providers) if rms else []
         args.fused_providers = list(args.providers) if fused else []
         args.qk_providers = list(args.providers) if qk else []
         args.fp8_providers = list(args.providers) if fp8 else []
+        args.gated_providers = list(args.providers) if gated_norm else []
     else:
         with_quack = any(m in base.QUACK_BY_DEFAULT for m in rms)
         rms_default = base.HELDOUT_PROVIDERS_DEFAULT if with_quack else base.PROVIDERS_DEFAULT
@@ -273,7 +307,8 @@ def split_providers(args: argparse.Namespace) -> None:
         args.fused_providers = list(base.FUSED_ADD_PROVIDERS_DEFAULT) if fused else []
         args.qk_providers = list(base.QK_PROVIDERS_DEFAULT) if qk else []
         args.fp8_providers = list(base.FP8_PROVIDERS_DEFAULT) if fp8 else []
-        lists = (args.rms_providers, args.fused_providers, args.qk_providers, args.fp8_providers)
+        args.gated_providers = list(gated.PROVIDERS_DEFAULT) if gated_norm else []
+        lists = (args.rms_providers, args.fused_providers, args.qk_providers, args.fp8_providers, args.gated_providers)
         args.providers = list(dict.fromkeys(name for names in lists for name in names))
 
 

@@ -190,6 +190,8 @@ def test_cutile_backward_kernels_are_marked_experimental():
         kernels.rms_norm_bwd_row_dot,
         kernels.rms_norm_bwd_column_chunk,
         kernels.rms_norm_dw_reduce,
+        kernels.gated_rms_norm_fwd,
+        kernels.gated_rms_norm_bwd,
     ):
         assert experimental.is_experimental(k, "cuda")
 

@@ -2,6 +2,7 @@
 gradients, autograd, torch.compile, errors, empty and strided inputs."""
 
 import importlib
+import textwrap
 
 import pytest
 import torch
@@ -327,3 +328,73 @@ def test_cutile_host_runs_groups_wider_than_its_tiles_in_torch(emulated_cutile):
     assert rel_err(y, fp64_gated(x, z, None, 1e-6, None, True)) <= 1e-6
     y = tilegym_rms.gated_rms_norm(x, z, group_size=10000, backend="cutile")
     assert emulated_cutile == ["gated_rms_norm_fwd"]
+
+
+# ------------------------------------------------------------------------------------------------
+# cuTile launch heuristics (config.gated_config, no GPU)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 7, 4097, 65536, 1 << 20])
+@pytest.mark.parametrize(
+    "n,group_size", [(128, 128), (3072, 96), (1536, 512), (8192, 1024), (16384, 1024), (5120, 5120)]
+)
+def test_cutile_tiles_hold_whole_groups(m, n, group_size):
+    """Each tile holds whole groups, padded to a power of two; chunks cover every group; no block without a row
+    tile; the backward's tiles are no bigger than the forward's (x, z and dy live)."""
+    from tilegym_rms.cutile import config
+
+    cfg = config.gated_config(m, n, group_size, torch.bfloat16, 132)
+    groups = n // group_size
+    assert cfg.tile_s == 1 << (group_size - 1).bit_length()
+    for launch in (cfg.fwd, cfg.bwd):
+        assert launch.grid[1] * launch.tile_g >= groups > (launch.grid[1] - 1) * launch.tile_g
+        assert 1 <= launch.grid[0] <= -(-m // launch.tile_m)
+    assert cfg.bwd.tile_m * cfg.bwd.tile_g <= cfg.fwd.tile_m * cfg.fwd.tile_g
+
+
+def test_cutile_tiles_in_the_batch_invariant_mode_do_not_follow_m():
+    from tilegym_rms.cutile import config
+
+    first = config.gated_config(1, 3072, 96, torch.bfloat16, 132, invariant=True)
+    for m in (7, 4097, 65536, 1 << 20):
+        cfg = config.gated_config(m, 3072, 96, torch.bfloat16, 132, invariant=True)
+        assert (cfg.fwd.tile_m, cfg.fwd.tile_g, cfg.bwd.tile_m, cfg.bwd.tile_g) == (1, 32, 1, 32)
+        assert cfg.fwd.grid == (m, 1) and cfg.fwd.hints == first.fwd.hints and cfg.bwd.hints == first.bwd.hints
+    assert config.gated_config(4096, 32768, 32768, torch.bfloat16, 132) is None  # wider than any group tile
+
+
+# ------------------------------------------------------------------------------------------------
+# First contact: torch.compile(fullgraph=True) as the first call of a process
+# ------------------------------------------------------------------------------------------------
+
+GATED_COMPILE_FIRST = """
+    import torch, tilegym_rms
+    torch.manual_seed(0)
+    norm = tilegym_rms.GatedRMSNorm(64, group_size=16, norm_before_gate=False, casting_mode="llama").to(DEVICE)
+    x = torch.randn(3, 5, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    z = torch.randn(3, 5, 64, device=DEVICE, requires_grad=True)
+    compiled = torch.compile(norm, fullgraph=True)  # before any eager tilegym_rms call
+    compiled(x, z).float().square().sum().backward()
+    got = [t.grad.clone() for t in (x, z, norm.weight)]
+    for t in (x, z, norm.weight):
+        t.grad = None
+    norm(x, z).float().square().sum().backward()
+    for a, t in zip(got, (x, z, norm.weight)):
+        assert torch.equal(a, t.grad), (a, t.grad)
+    print("ok")
+"""
+
+
+def test_compile_fullgraph_as_first_call_in_a_fresh_process():
+    from test_dropin import run_fresh
+
+    assert run_fresh("DEVICE = 'cpu'\n" + textwrap.dedent(GATED_COMPILE_FIRST)).strip().endswith("ok")
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph_as_first_call_on_gpu():
+    from test_dropin import run_fresh
+
+    env = {"TILEGYM_RMS_SILENCE_EXPERIMENTAL": "1"}
+    assert run_fresh("DEVICE = 'cuda'\n" + textwrap.dedent(GATED_COMPILE_FIRST), env).strip().endswith("ok")

@@ -59,11 +59,13 @@ PROVIDERS_ALL = (
     "liger",
     "tilegym",
     "quack",
+    "mamba-torch",
 )
 PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "tilegym_rms-triton", "torch", "torch.compile", "liger", "tilegym")
-# Our RMSNorm and a second step in torch: the residual add before it (bench_rmsnorm.py --measure fused_add) or
-# the FP8 quantization after it (--measure fp8); it runs only there.
-UNFUSED_ONLY = ("tilegym_rms-unfused",)
+# Providers that run in one measure's own comparison only: our RMSNorm plus a step in torch, the residual add
+# before it (bench_rmsnorm.py --measure fused_add) or the FP8 quantization after it (--measure fp8), and
+# mamba_ssm's gated norm semantics in torch (--measure gated).
+OWN_MEASURE_ONLY = ("tilegym_rms-unfused", "mamba-torch")
 FUSED_ADD_PROVIDERS_DEFAULT = (
     "tilegym_rms-cutile",
     "tilegym_rms-triton",

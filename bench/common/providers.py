@@ -11,7 +11,7 @@ from functools import cached_property
 
 import torch
 
-from bench.common import base, traffic
+from bench.common import base, gated, traffic
 
 
 @dataclass
@@ -75,8 +75,8 @@ def discover_providers(
     avail, tilegym_rms, tilegym_rms_error = _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error)
     for name in names:
         try:
-            if name in base.UNFUSED_ONLY:
-                skipped[name] = "our RMSNorm plus a step in torch (--measure fused_add and fp8 only)"
+            if name in base.OWN_MEASURE_ONLY:
+                skipped[name] = "a provider of --measure fused_add, fp8 or gated only"
             elif name.startswith("tilegym_rms-"):
                 backend = name.split("-", 1)[1]
                 if tilegym_rms is None:
@@ -365,6 +365,7 @@ class InputSets:
         need_dy: bool = True,
         need_residual: bool = False,
         qk: str = "",
+        gate_dtype: torch.dtype | None = None,
     ):
         g = torch.Generator(device=device)
         g.manual_seed(seed)
@@ -391,6 +392,10 @@ class InputSets:
             [torch.randn(m, n_cols, dtype=dtype, device=device, generator=g) for _ in range(n)]
             if need_residual and need_dy
             else []
+        )
+        # gated RMSNorm: the gate z, in its own dtype
+        self.z = (
+            [torch.randn(m, n_cols, device=device, generator=g).to(gate_dtype) for _ in range(n)] if gate_dtype else []
         )
         self.eps = eps
 
@@ -424,6 +429,10 @@ class InputSets:
     def rg(self) -> list[torch.Tensor]:
         return _leaves(self.r)
 
+    @cached_property
+    def zg(self) -> list[torch.Tensor]:
+        return _leaves(self.z)
+
 
 def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[int], dict], str]:
     """``call(i)`` running ``op`` on set ``i`` and returning its outputs by name, and a note on how.
@@ -446,6 +455,8 @@ def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[
             return {"y_q": y_q, "scales": scales} | ({"res": s} if add else {})
 
         return call_fp8, ""
+    if op in gated.OPS:
+        return _gated_call(op, provider, sets), ""
     if op in traffic.QK_OPS and traffic.qk_op_parts(op)[0] == "fwd":
 
         def call_qk_fwd(i):
@@ -515,6 +526,26 @@ def build_call(op: str, provider: Provider, sets: InputSets) -> tuple[Callable[[
     raise ValueError(f"unknown op {op!r}")
 
 
+def _gated_call(op: str, provider: Provider, sets: InputSets) -> Callable[[int], dict]:
+    """The gated ops' calls, as the plain forward's and backward's: (x, z, w) under no_grad, or the forward graphs
+    built here and ``torch.autograd.grad(y, (x, z, w), dy, retain_graph=True)`` replayed."""
+    direction, norm_before_gate, _ = gated.parse(op)
+    if direction == "fwd":
+
+        def call_fwd(i):
+            with torch.no_grad():
+                return {"y": provider.forward(sets.x[i], sets.z[i], sets.w[i], norm_before_gate)}
+
+        return call_fwd
+    ys = [provider.forward(sets.xg[i], sets.zg[i], sets.wg[i], norm_before_gate) for i in range(sets.n)]
+
+    def call_bwd(i):
+        dx, dz, dw = torch.autograd.grad(ys[i], (sets.xg[i], sets.zg[i], sets.wg[i]), sets.dy[i], retain_graph=True)
+        return {"dx": dx, "dz": dz, "dw": dw}
+
+    return call_bwd
+
+
 def relative_errors(
     x: torch.Tensor, w: torch.Tensor, eps: float, outputs: dict, dy: torch.Tensor | None = None
 ) -> dict[str, float]:
@@ -540,6 +571,9 @@ def output_errors(op: str, sets: InputSets, eps: float, outputs: dict) -> dict[s
         else:
             errs = relative_errors(sets.x[0], sets.w[0], eps, {"y": y})
         return {"y_q": errs.pop("y"), **errs}
+    if op in gated.OPS:
+        dy = sets.dy[0] if sets.dy else None
+        return gated.errors(sets.x[0], sets.z[0], sets.w[0], dy, outputs, gated.parse(op)[1], eps)
     if op in traffic.QK_OPS:  # q's outputs by their plain names, k's with the suffix _k
         k_outs = {name[:-2]: v for name, v in outputs.items() if name.endswith("_k")}
         errs = relative_errors(sets.k[0], sets.wk[0], eps, k_outs, sets.dyk[0] if sets.dyk else None)

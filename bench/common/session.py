@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import base, providers, records, report, timing, traffic
+from bench.common import base, gated, providers, records, report, timing, traffic
 
 
 def gpu_slug(name: str) -> str:
@@ -62,6 +62,9 @@ class Session:
         # RMSNorm with FP8 output: providers with forward (x, r or None, w, **quant) -> (y_q, scales, sum or None)
         self.fp8_providers: list[providers.Provider] = []
         self.fp8_skipped: dict[str, str] = {}
+        # gated RMSNorm: providers with forward (x, z, w, norm_before_gate) -> y
+        self.gated_providers: list[providers.Provider] = []
+        self.gated_skipped: dict[str, str] = {}
         self.aborted = False
         self.extra_points: list[tuple] = []  # free-form extras a script records (e.g. workspace sizes)
 
@@ -84,6 +87,9 @@ class Session:
         qk_names = getattr(self.args, "qk_providers", None) or []
         if qk_names:
             self.qk_providers, self.qk_skipped = self._discover(providers.discover_qk_providers, qk_names, "qk-norm ")
+        gated_names = getattr(self.args, "gated_providers", None) or []
+        if gated_names:
+            self.gated_providers, self.gated_skipped = self._discover(gated.discover, gated_names, "gated ")
         if fused_names:
             self.fused_providers, self.fused_skipped = self._discover(
                 providers.discover_fused_add_providers, fused_names, "fused add "
@@ -221,8 +227,10 @@ class Session:
             try:
                 sets = providers.InputSets(
                     m, n, dtype, self.device, n_sets, self.args.seed, self.args.eps,
-                    need_dy=op not in ("forward", "fused_add_fwd", *traffic.FP8_OPS) and not op.startswith("qk_fwd"),
+                    need_dy=op not in ("forward", "fused_add_fwd", *traffic.FP8_OPS)
+                    and not op.startswith(("qk_fwd", "gated_fwd")),
                     need_residual=fused, qk=traffic.qk_op_parts(op)[1] if op in traffic.QK_OPS else "",
+                    gate_dtype=gated.parse(op)[2] if op in gated.OPS else None,
                 )  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the largest shapes
                 err = base.short_error(exc)
@@ -304,6 +312,8 @@ class Session:
             return self.fp8_providers
         if op in traffic.QK_OPS:
             return self.qk_providers
+        if op in gated.OPS:
+            return self.gated_providers
         return self.fused_providers if op in traffic.FUSED_ADD_OPS else self.providers
 
     def keep(self, p: records.Point, points: list[records.Point], idx: int, total: int) -> None:
@@ -409,7 +419,13 @@ def start_session(args, dry_run_plan, kernel_name: str, json_name: str, suite_js
         return code
     session = Session(args, kernel_name, json_name, suite_json)
     session.start()
-    if not (session.providers or session.fused_providers or session.qk_providers or session.fp8_providers):
+    if not (
+        session.providers
+        or session.fused_providers
+        or session.qk_providers
+        or session.fp8_providers
+        or session.gated_providers
+    ):
         print("no provider can run; nothing to do", file=sys.stderr)
         return 2
     return session

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from bench.common import base
+from bench.common import base, gated
 
 
 def forward_bytes(m: int, n: int, elt: int, w_elt: int | None = None) -> int:
@@ -100,6 +100,8 @@ def fp8_bytes(op: str, m: int, n: int, elt: int) -> int:
 def op_bytes(op: str, m: int, n: int, elt: int) -> int:
     if op in FP8_OPS:
         return fp8_bytes(op, m, n, elt)
+    if op in gated.OPS:
+        return gated.op_bytes(op, m, n, elt)
     if op in QK_OPS:
         return (qk_forward_bytes if qk_op_parts(op)[0] == "fwd" else qk_backward_bytes)(m, n, elt)
     if op == "fused_add_fwd":
@@ -119,6 +121,8 @@ def read_bytes(op: str, m: int, n: int, elt: int) -> int:
     """Bytes one call reads from its input set (what the rotation has to push out of L2)."""
     if op in FP8_OPS:
         return (1 + FP8_OPS[op][1]) * m * n * elt + n * elt
+    if op in gated.OPS:
+        return gated.read_bytes(op, m, n, elt)
     if op in QK_OPS:
         plain = "forward" if qk_op_parts(op)[0] == "fwd" else "backward"
         return sum(read_bytes(plain, rows, n, elt) for rows in qk_rows(m))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import sys
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from bench import bench_rmsnorm
-from bench.common import base, cli_args, providers, records, report, session, timing, traffic
+from bench.common import base, cli_args, gated, providers, records, report, session, timing, traffic
 from bench.tools import kernel_resources as kr
 from bench.tools import ncu_compare
 from tilegym_rms import reference, testing
@@ -538,3 +539,39 @@ def test_latency_times_the_fp8_op_with_the_fp8_providers(tmp_path, monkeypatch):
         (name, m) for m in (1, 8) for name in ("tilegym_rms-unfused", "torch")
     ]
     assert all(p.ok and set(p.errs) == {"y_q"} and len(p.us) == 2 for p in points)
+
+
+def test_gated_bytes_count_the_gate_and_the_group_rstd():
+    m, n = 4096, 2048  # 8 groups
+    assert traffic.op_bytes("gated_fwd_before_bf16gate", m, n, 2) == 3 * m * n * 2 + n * 2
+    assert traffic.op_bytes("gated_fwd_after_fp32gate", m, n, 2) == m * n * (2 * 2 + 4) + n * 2
+    assert traffic.op_bytes("gated_bwd_after_fp32gate", m, n, 2) == m * n * (3 * 2 + 2 * 4) + 2 * n * 2 + 4 * m * 8
+    assert traffic.op_bytes("gated_bwd_before_bf16gate", m, 128, 2) == m * 128 * 5 * 2 + 2 * 128 * 2 + 4 * m
+
+
+def test_gated_measure_cpu_mode(tmp_path, monkeypatch, capsys):
+    """--measure gated in the CPU test mode: every op of ours and of the torch peers, checked against float64
+    at one group and at eight."""
+    monkeypatch.setenv(base.CPU_ENV, "1")
+    argv = ["--measure", "gated", "--M", "16", "--N", "128,1024", "--reps", "1", "--out", str(tmp_path)]
+    argv += ["--providers", "tilegym_rms-torch,tilegym_rms-unfused,mamba-torch,liger", "--no-plot"]
+    assert bench_rmsnorm.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "gated provider liger skipped: no gated RMSNorm" in out
+    assert "Gated RMSNorm, backward (autograd), gate before norm, in groups, float32 gate" in out
+    saved = [r for r in json.loads((tmp_path / "rms_norm.json").read_text()) if r["metric_name"] == "throughput"]
+    assert {r["kernel_operation_mode"] for r in saved} == set(gated.OPS)
+    assert {r["kernel_provider"] for r in saved} == {"tilegym_rms-torch", "tilegym_rms-unfused", "mamba-torch"}
+    for rec in saved:
+        assert rec["x_values"] == [128, 1024] and not rec.get("mismatch_x_values")
+        assert all(0 <= e <= base.TOLERANCE["bf16"] for e in rec["rel_err"])
+
+
+def test_gated_check_sees_a_wrong_gate_gradient():
+    sets = providers.InputSets(8, 1024, torch.float32, "cpu", 1, 0, 1e-6, gate_dtype=torch.float32)
+    mamba = providers.Provider("mamba-torch", functools.partial(gated.mamba_torch, eps=1e-6))
+    call, _ = providers.build_call("gated_bwd_after_fp32gate", mamba, sets)
+    out = call(0)
+    assert providers.check_ok(providers.output_errors("gated_bwd_after_fp32gate", sets, 1e-6, out), "fp32")
+    bad = out | {"dz": out["dz"] * 1.01}
+    assert not providers.check_ok(providers.output_errors("gated_bwd_after_fp32gate", sets, 1e-6, bad), "fp32")

@@ -176,6 +176,8 @@ class Heuristics:
     gated_fwd_tile_elems: int = 16384
     gated_bwd_tile_elems: int = 8192
     gated_max_tile_s: int = 16384
+    # Most rows per tile: narrow groups (a 128-wide head of Qwen3-Next) fill a tile with rows, as the qk kernels'.
+    gated_max_tile_m: int = 128
 
 
 HEURISTICS = Heuristics()
@@ -614,16 +616,20 @@ def qk_config(
 
 
 @dataclass(frozen=True)
-class GatedConfig:
+class GatedLaunch:
+    """One gated kernel's tiles, grid and hints."""
+
+    tile_m: int
     tile_g: int  # groups per tile (a power of two; the last chunk may be padded)
+    grid: tuple[int, int]  # (persistent over row tiles, chunks of tile_g groups)
+    hints: Hints = ()
+
+
+@dataclass(frozen=True)
+class GatedConfig:
     tile_s: int  # next_pow2(group size)
-    fwd_tile_m: int
-    bwd_tile_m: int
-    chunks: int  # grid axis 1: cdiv(groups, tile_g)
-    fwd_grid: int  # grid axis 0 (persistent over row tiles)
-    bwd_grid: int  # also the rows of the (grid, N) dw partial buffer
-    fwd_hints: Hints = ()
-    bwd_hints: Hints = ()
+    fwd: GatedLaunch
+    bwd: GatedLaunch  # its grid[0] is also the rows of the (grid, N) dw partial buffer
 
 
 def gated_config(
@@ -639,35 +645,30 @@ def gated_config(
     if tile_s > p.gated_max_tile_s:
         return None
     groups = n // group_size
-    tile_g = min(next_pow2(groups), max(1, p.gated_fwd_tile_elems // tile_s))
-    chunks = cdiv(groups, tile_g)
-    row = tile_g * tile_s
-    narrow = row <= p.narrow_max_row
 
-    def tile_m(target_elems):
-        if invariant:
-            return 1
+    def launch(target_elems, blocks_per_sm, hints, one_tile_per_block=False):
+        """``blocks_per_sm`` and ``hints``: ``(narrow, wide)``, by the tile's padded row (narrow_max_row)."""
+        tile_g = min(next_pow2(groups), max(1, target_elems // tile_s))
+        chunks, row = cdiv(groups, tile_g), tile_g * tile_s
+        wide = row > p.narrow_max_row
         by_rows = prev_pow2(max(m_bucket(m) * chunks // max(num_sms, 1), 1))  # a tile for every SM first
-        return max(1, min(p.max_tile_m, prev_pow2(max(target_elems // row, 1)), by_rows))
+        by_size = prev_pow2(max(target_elems // row, 1))
+        tile_m = 1 if invariant else max(1, min(p.gated_max_tile_m, by_size, by_rows))
+        # Blocks over both axes: about blocks_per_sm per SM, at most one per row tile.
+        grid = cdiv(m, tile_m)
+        if not one_tile_per_block:
+            grid = min(max(num_sms * blocks_per_sm[wide] // chunks, 1), grid)
+        return GatedLaunch(tile_m, tile_g, (max(1, grid), chunks), hints[wide])
 
-    def grid(tm, blocks_per_sm):  # blocks over both axes: about blocks_per_sm per SM, at most one per row tile
-        return max(1, min(max(num_sms * blocks_per_sm // chunks, 1), cdiv(m, tm)))
-
-    fwd_tile_m, bwd_tile_m = tile_m(p.gated_fwd_tile_elems), tile_m(p.gated_bwd_tile_elems)
-    fwd_bps = p.fwd_narrow_blocks_per_sm if narrow else p.fwd_wide_blocks_per_sm
-    bwd_bps = p.bwd_narrow_blocks_per_sm if narrow else p.bwd_wide_blocks_per_sm
+    fwd_hints = tuple(_hints(occupancy=o) for o in (p.fwd_narrow_occupancy, p.fwd_wide_occupancy))
+    bwd_hints = (
+        _hints(occupancy=p.bwd_narrow_occupancy, num_worker_warps=p.bwd_narrow_worker_warps),
+        _hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps),
+    )
     return GatedConfig(
-        tile_g,
         tile_s,
-        fwd_tile_m,
-        bwd_tile_m,
-        chunks,
-        cdiv(m, fwd_tile_m) if invariant else grid(fwd_tile_m, fwd_bps),
-        grid(bwd_tile_m, bwd_bps),
-        _hints(occupancy=p.fwd_narrow_occupancy if narrow else p.fwd_wide_occupancy),
-        _hints(occupancy=p.bwd_narrow_occupancy, num_worker_warps=p.bwd_narrow_worker_warps)
-        if narrow
-        else _hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps),
+        launch(p.gated_fwd_tile_elems, (p.fwd_narrow_blocks_per_sm, p.fwd_wide_blocks_per_sm), fwd_hints, invariant),
+        launch(p.gated_bwd_tile_elems, (p.bwd_narrow_blocks_per_sm, p.bwd_wide_blocks_per_sm), bwd_hints),
     )
 
 

@@ -1,6 +1,7 @@
 """Triton RMSNorm kernels written for triton-ascend; they also run under standard Triton and in the interpreter.
 
-Kernels (all marked experimental on ``npu``: they have not run on Ascend hardware yet):
+Kernels (all marked experimental on ``npu``: they have not run on Ascend hardware yet; the gated ones on
+``cuda`` too, until the GPU tests have run them):
 
 * :data:`rms_norm_fwd_kernel`: a row fits one tile. Each step normalizes ``BLOCK_M`` whole rows.
   With ``HAS_RESIDUAL`` it is the single-pass fused residual add: ``S = x + residual`` stays on chip
@@ -37,6 +38,11 @@ _CAST_NONE = tl.constexpr(CASTING_CODES["none"])
 def _npu_experimental(fn):
     """``experimental_kernel(on=("npu",))`` over ``triton.jit``: the registered object is the launchable one."""
     return experimental_kernel(on=("npu",))(triton.jit(fn))
+
+
+def _device_experimental(fn):
+    """As :func:`_npu_experimental`, on NVIDIA GPUs too: for kernels that have run under the interpreter only."""
+    return experimental_kernel(on=("npu", "cuda"))(triton.jit(fn))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -450,7 +456,7 @@ def _gate(z, REF, CASTING: tl.constexpr):
     return z * tl.sigmoid(z)
 
 
-@_npu_experimental
+@_device_experimental
 def gated_rms_norm_fwd_kernel(
     X, Z, W, Y, RSTD,
     M, N, S, stride_x, stride_z, stride_y, eps, offset,
@@ -484,7 +490,7 @@ def gated_rms_norm_fwd_kernel(
             _store_vec(RSTD + g, rows * groups, M * groups, rstd, EVEN_M)
 
 
-@_npu_experimental
+@_device_experimental
 def gated_rms_norm_bwd_kernel(
     DY, X, Z, W, RSTD, DX, DZ, DW_PARTIAL,
     M, N, S, stride_dy, stride_x, stride_z, stride_dx, stride_dz, offset,

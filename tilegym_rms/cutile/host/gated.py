@@ -29,9 +29,9 @@ def forward_launch(tgt: Target, m, n, group_size, dtype, casting_mode, has_w, no
     cfg = config_for(tgt, m, n, group_size, dtype)
     if cfg is None:
         return None
-    cast = CASTING_CODES[casting_mode]
-    constants = (cfg.fwd_tile_m, cfg.tile_g, cfg.tile_s, cast, has_w, norm_before_gate, store_rstd)
-    return make_launch(common.kernels().gated_rms_norm_fwd, (cfg.fwd_grid, cfg.chunks), constants, cfg.fwd_hints)
+    f = cfg.fwd
+    constants = (f.tile_m, f.tile_g, cfg.tile_s, CASTING_CODES[casting_mode], has_w, norm_before_gate, store_rstd)
+    return make_launch(common.kernels().gated_rms_norm_fwd, f.grid, constants, f.hints)
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,12 @@ def backward_launches(tgt: Target, m, n, group_size, dtype, has_w, norm_before_g
     cfg = config_for(tgt, m, n, group_size, dtype)
     if cfg is None:
         return None
-    constants = (cfg.bwd_tile_m, cfg.tile_g, cfg.tile_s, has_w, norm_before_gate)
-    main = make_launch(common.kernels().gated_rms_norm_bwd, (cfg.bwd_grid, cfg.chunks), constants, cfg.bwd_hints)
+    b = cfg.bwd
+    constants = (b.tile_m, b.tile_g, cfg.tile_s, has_w, norm_before_gate)
+    main = make_launch(common.kernels().gated_rms_norm_bwd, b.grid, constants, b.hints)
     if not has_w:
         return GatedBackwardLaunches(main, (1, 1), None)
-    return GatedBackwardLaunches(main, (cfg.bwd_grid, n), reduce_launch(tgt, n))
+    return GatedBackwardLaunches(main, (b.grid[0], n), reduce_launch(tgt, n))
 
 
 def _groups(t: torch.Tensor, group_size: int) -> torch.Tensor:
