@@ -595,9 +595,11 @@ def _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, dtype):
 
 
 def _silu_and_slope(zf):
-    """``silu(z)`` and its derivative ``sigmoid(z) * (1 + z * (1 - sigmoid(z)))``, fp32."""
-    sig = 1.0 / (1.0 + ct.exp(-zf))
-    return zf * sig, sig * (1.0 + zf * (1.0 - sig))
+    """``silu(z)`` and its derivative ``sigmoid(z) * (1 + z * (1 - sigmoid(z)))``, fp32; silu as torch writes it,
+    ``z / (1 + exp(-z))`` (reference._silu_and_slope)."""
+    e = 1.0 + ct.exp(-zf)
+    sig = 1.0 / e
+    return zf / e, sig * (1.0 + zf * (1.0 - sig))
 
 
 def _gate(zf, CAST, dtype):

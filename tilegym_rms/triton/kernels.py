@@ -449,11 +449,12 @@ def rms_norm_dw_reduce_kernel(
 
 @triton.jit
 def _gate(z, REF, CASTING: tl.constexpr):
-    """``silu(z)`` as the forward uses it: fp32, or in mode "none" taken of z in x's dtype and rounded."""
+    """``silu(z)`` as the forward uses it, ``z / (1 + exp(-z))`` as torch writes it (reference._silu_and_slope):
+    fp32, or in mode "none" taken of z in x's dtype and rounded."""
     if CASTING == _CAST_NONE:
         z = _round_to(z, REF)
-        return _round_to(z * tl.sigmoid(z), REF)
-    return z * tl.sigmoid(z)
+        return _round_to(z / (1.0 + tl.exp(-z)), REF)
+    return z / (1.0 + tl.exp(-z))
 
 
 @_device_experimental
