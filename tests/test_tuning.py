@@ -574,7 +574,7 @@ def launched(host, m, n, add, dtype=BF16):
 
 
 def expected_launch(cand, m, n, add):
-    """The same triple built by hand from a candidate (the kernels' constant order, see kernels.py)."""
+    """The same triple built by hand from a candidate (the kernels' constant order, see cutile/kernels/)."""
     cfg = config.build_forward(cand, config.m_bucket(m), n, SMS)
     hints = tuple(
         sorted((k, v) for k, v in (("occupancy", cand.occupancy), ("num_worker_warps", cand.num_worker_warps)) if v)

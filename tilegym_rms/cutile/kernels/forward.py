@@ -1,0 +1,91 @@
+"""The forward kernels: one row per block (gather) and the static-persistent row-tile walk."""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+from .common import _F32, ADD_PRE, _effective_weight, _load_input, _normalize_as, _rstd_from_sum_sq, _sum_sq
+
+
+@ct.kernel
+def rms_norm_fwd_gather(
+    x,
+    w,
+    y,
+    rstd,
+    residual,
+    res_out,
+    eps,
+    offset,
+    TILE_N: ct.Constant[int],
+    CAST: ct.Constant[int],
+    HAS_W: ct.Constant[bool],
+    SINGLE_TILE: ct.Constant[bool],
+    STORE_RSTD: ct.Constant[bool],
+    ADD: ct.Constant[int],
+):
+    """One row per block. ``SINGLE_TILE``: the row fits one tile and stays in registers; otherwise
+    pass 1 sums squares over column chunks and pass 2 re-reads each chunk to normalize it (and, in
+    fused "pre" mode, stores the sum there: pass 2 is the last to read the residual, see ``ADD``)."""
+    row = ct.bid(0)
+    n = x.shape[1]
+    sdt = residual.dtype  # the dtype of the values normalized: the sum's (residual is x without the add)
+    if SINGLE_TILE:
+        xf = _load_input(x, residual, res_out, (row, 0), (1, TILE_N), ADD, ADD == ADD_PRE)
+        r = _rstd_from_sum_sq(_sum_sq(xf), n, eps, CAST, sdt)
+        wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, sdt)
+        ct.store(y, (row, 0), _normalize_as(xf, r, wt, CAST, sdt, y.dtype), allow_tma=False)
+    else:
+        num_chunks = ct.cdiv(n, TILE_N)
+        acc = ct.zeros((1, TILE_N), dtype=_F32)
+        for j in range(num_chunks):
+            xf = _load_input(x, residual, res_out, (row, j), (1, TILE_N), ADD, False)
+            acc = acc + xf * xf
+        r = _rstd_from_sum_sq(ct.sum(acc, axis=1, keepdims=True), n, eps, CAST, sdt)
+        for j in range(num_chunks):
+            xf = _load_input(x, residual, res_out, (row, j), (1, TILE_N), ADD, ADD == ADD_PRE)
+            wt = _effective_weight(w, j, offset, TILE_N, HAS_W, CAST, sdt)
+            ct.store(y, (row, j), _normalize_as(xf, r, wt, CAST, sdt, y.dtype), allow_tma=False)
+    if STORE_RSTD:
+        ct.store(rstd, (row,), ct.reshape(r, (1,)))
+
+
+@ct.kernel
+def rms_norm_fwd_persistent(
+    x,
+    w,
+    y,
+    rstd,
+    residual,
+    res_out,
+    eps,
+    offset,
+    TILE_M: ct.Constant[int],
+    TILE_N: ct.Constant[int],
+    TAIL_N: ct.Constant[int],
+    CAST: ct.Constant[int],
+    HAS_W: ct.Constant[bool],
+    ADD: ct.Constant[int],
+):
+    """Static persistent: the weight is loaded once per block, which then grid-strides over
+    ``TILE_M x TILE_N`` row tiles (``TILE_N >= N``), or over rows held as a tile plus a narrower tail
+    tile (``TAIL_N > 0``: columns ``[TILE_N, TILE_N + TAIL_N)``, as in the backward)."""
+    n = x.shape[1]
+    sdt = residual.dtype  # as in rms_norm_fwd_gather
+    store_sum = ADD == ADD_PRE
+    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, sdt)
+    if TAIL_N:
+        tail = TILE_N // TAIL_N  # the tail tile's column index
+        wt_tail = _effective_weight(w, tail, offset, TAIL_N, HAS_W, CAST, sdt)
+    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
+        xf = _load_input(x, residual, res_out, (t, 0), (TILE_M, TILE_N), ADD, store_sum)
+        sum_sq = _sum_sq(xf)
+        if TAIL_N:
+            xf_tail = _load_input(x, residual, res_out, (t, tail), (TILE_M, TAIL_N), ADD, store_sum)
+            sum_sq = sum_sq + _sum_sq(xf_tail)
+        r = _rstd_from_sum_sq(sum_sq, n, eps, CAST, sdt)
+        ct.store(y, (t, 0), _normalize_as(xf, r, wt, CAST, sdt, y.dtype), allow_tma=False, latency=3)
+        if TAIL_N:
+            y_tail = _normalize_as(xf_tail, r, wt_tail, CAST, sdt, y.dtype)
+            ct.store(y, (t, tail), y_tail, allow_tma=False, latency=3)
+        ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)), allow_tma=False)

@@ -1,0 +1,96 @@
+"""RMSNorm (and the fused add) with its output quantized to fp8, in one pass (rms_norm_fp8,
+fused_add_rms_norm_fp8): the norm's y, rounded to x's dtype, quantized in the same pass
+(reference.quantize_fp8). QUANT: a static scale, dynamic per-row scales, or per group of GROUP columns
+(scales shaped (M, cdiv(N, GROUP))). A block owns TILE_M whole rows (TILE_N >= N) and loops over nothing, so
+a row's code never depends on M. Padded columns load as zeros, whose y is 0: they never raise an amax, and
+the stores drop them (and the scales of groups past the row's end).
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+from ...experimental import experimental_kernel
+from .common import _F32, ADD_PRE, _effective_weight, _load_input, _normalize_as, _rstd_from_sum_sq, _sum_sq
+
+QUANT_STATIC, QUANT_TOKEN, QUANT_GROUP = 0, 1, 2
+
+
+def _pow2_ceil(s):
+    """The smallest power of two ``>= s`` (a UE8M0 scale), exactly: reference.pow2_ceil's carry into the
+    exponent. ``ct.log2`` could round ``log2`` of a scale just above a power of two down to an integer."""
+    bits = ct.bitwise_and(ct.bitcast(s, ct.int32) + 0x7FFFFF, 0x7F800000)
+    return ct.where(ct.isnan(s), s, ct.bitcast(bits, _F32))
+
+
+def _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0):
+    """``max(min(amax, ub), floor) / fp8_max`` (a true division), rounded up to a power of two with UE8M0; NaN
+    propagates (reference._fp8_dynamic_scale)."""
+    if HAS_UB:
+        amax = ct.minimum(amax, ub, propagate_nan=True)
+    s = ct.maximum(amax, amax_floor, propagate_nan=True) / fp8_max
+    if UE8M0:
+        s = _pow2_ceil(s)
+    return s
+
+
+def _saturate(q, fp8_max, dtype):
+    """Clamp to the finite range of the fp8 ``dtype``, NaN kept, then round to nearest even."""
+    q = ct.minimum(ct.maximum(q, -fp8_max, propagate_nan=True), fp8_max, propagate_nan=True)
+    return ct.astype(q, dtype)
+
+
+@experimental_kernel
+@ct.kernel
+def rms_norm_fp8_fwd(
+    x,
+    w,
+    y_q,
+    scales,
+    scale_in,
+    scale_ub,
+    residual,
+    res_out,
+    eps,
+    offset,
+    fp8_max,
+    amax_floor,
+    TILE_M: ct.Constant[int],
+    TILE_N: ct.Constant[int],
+    CAST: ct.Constant[int],
+    HAS_W: ct.Constant[bool],
+    ADD: ct.Constant[int],
+    QUANT: ct.Constant[int],
+    GROUP: ct.Constant[int],
+    HAS_UB: ct.Constant[bool],
+    UE8M0: ct.Constant[bool],
+):
+    """``y_q`` (fp8) and, when dynamic, ``scales`` (fp32: ``(M,)`` per row, ``(M, cdiv(N, GROUP))`` per group)
+    for row tile ``bid``. ``scale_in`` (one element) is read when static, ``scale_ub`` (one element) with
+    ``HAS_UB``; otherwise each stands in for a dummy, as ``scales`` does when static. ``ADD`` (ADD_NONE or
+    ADD_PRE) as in the forward: the sum is stored into ``res_out``, which may be ``residual`` itself."""
+    b = ct.bid(0)
+    sdt = residual.dtype  # as in rms_norm_fwd_gather
+    xf = _load_input(x, residual, res_out, (b, 0), (TILE_M, TILE_N), ADD, ADD == ADD_PRE)
+    r = _rstd_from_sum_sq(_sum_sq(xf), x.shape[1], eps, CAST, sdt)
+    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, sdt)
+    y = ct.astype(_normalize_as(xf, r, wt, CAST, sdt, x.dtype), _F32)  # rounded to x's dtype, as stored unfused
+    if QUANT == QUANT_STATIC:
+        s = ct.reshape(ct.load(scale_in, (0,), (1,)), (1, 1))
+        q = y / s
+    else:
+        ub = 0.0
+        if HAS_UB:
+            ub = ct.reshape(ct.load(scale_ub, (0,), (1,)), (1, 1))
+        if QUANT == QUANT_TOKEN:
+            amax = ct.max(ct.abs(y), axis=1, keepdims=True, propagate_nan=True)
+            s = _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0)
+            q = y / s
+            ct.store(scales, (b,), ct.reshape(s, (TILE_M,)), allow_tma=False)
+        else:
+            groups = ct.reshape(y, (TILE_M, TILE_N // GROUP, GROUP))
+            amax = ct.max(ct.abs(groups), axis=2, keepdims=True, propagate_nan=True)
+            s = _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0)
+            q = ct.reshape(groups / s, (TILE_M, TILE_N))
+            ct.store(scales, (b, 0), ct.reshape(s, (TILE_M, TILE_N // GROUP)), allow_tma=False)
+    ct.store(y_q, (b, 0), _saturate(q, fp8_max, y_q.dtype), allow_tma=False)
