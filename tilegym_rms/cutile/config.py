@@ -673,7 +673,7 @@ def gated_config(
 
 
 # ----------------------------------------------------------------------------------------------
-# FP8 output (rms_norm_fp8): one launch of rms_norm_fp8_fwd, a block per TILE_M whole rows, no row loop
+# FP8 output (rms_norm_fp8): one launch of rms_norm_fp8_fwd, row tiles of whole rows in a grid-stride walk
 # ----------------------------------------------------------------------------------------------
 
 # Widest row the fused FP8 kernel holds in registers (the plain norm's widest persistent tile, whose register
@@ -685,7 +685,7 @@ FP8_MAX_TILE_N = 16384
 class FP8Config:
     tile_m: int
     tile_n: int  # >= N and >= the group size: a row is one tile
-    grid: int  # one block per row tile
+    grid: int  # blocks; each walks row tiles bid, bid + grid, ... (exactly one where grid = row tiles)
     hints: Hints = ()
 
 
@@ -694,8 +694,9 @@ def fp8_config(
 ) -> FP8Config:
     """Tiles of the FP8 kernel for an ``(m, n)`` input. Its work per row is the forward's plus the scales, so it
     takes the forward's measured settings: one row per block for few rows (``gather_max_rows_per_sm``, the
-    decode sizes) with the gather kernel's hints; else about ``fwd_tile_elems`` per tile with the persistent
-    forward's hints for that width. In the batch-invariant mode one row per block at every M: a row's place in
+    decode sizes) with the gather kernel's hints; else about ``fwd_tile_elems`` per tile, walked by the
+    persistent forward's grid with its hints for that width (one tile per block left the loads' latency
+    unhidden: PERFORMANCE.md, "FP8 output"). In the batch-invariant mode one row per block at every M: a row's place in
     a tile of several could change how the compiler reduces it (PERFORMANCE.md, "Batch invariance")."""
     p = params or HEURISTICS
     tile_n = max(next_pow2(n), group_size or 1)
@@ -703,8 +704,8 @@ def fp8_config(
         raise ValueError(f"the FP8 kernel takes rows of at most {FP8_MAX_TILE_N} elements, got N={n}")
     if invariant or m_bucket(m) <= p.gather_max_rows_per_sm * num_sms:
         occupancy, warps = _gather_hints(tile_n, True, p)
-        tile_m = 1
-    else:
-        _, occupancy, warps = _persistent_class(tile_n, "fwd", p)
-        tile_m = _tile_m(tile_n, p.fwd_tile_elems, p)
-    return FP8Config(tile_m, tile_n, cdiv(m, tile_m), _hints(occupancy=occupancy, num_worker_warps=warps))
+        return FP8Config(1, tile_n, m, _hints(occupancy=occupancy, num_worker_warps=warps))
+    blocks_per_sm, occupancy, warps = _persistent_class(tile_n, "fwd", p)
+    tile_m = _tile_m(tile_n, p.fwd_tile_elems, p)
+    grid = min(cdiv(m, tile_m), blocks_per_sm * num_sms)
+    return FP8Config(tile_m, tile_n, grid, _hints(occupancy=occupancy, num_worker_warps=warps))

@@ -66,23 +66,25 @@ def rms_norm_fp8_fwd(
     UE8M0: ct.Constant[bool],
 ):
     """``y_q`` (fp8) and, when dynamic, ``scales`` (fp32: ``(M,)`` per row, ``(M, cdiv(N, GROUP))`` per group)
-    for row tile ``bid``. ``scale_in`` (one element) is read when static, ``scale_ub`` (one element) with
+    for each row tile it walks. ``scale_in`` (one element) is read when static, ``scale_ub`` (one element) with
     ``HAS_UB``; otherwise each stands in for a dummy, as ``scales`` does when static. ``ADD`` (ADD_NONE or
     ADD_PRE) as in the forward: the sum is stored into ``res_out``, which may be ``residual`` itself."""
-    b = ct.bid(0)
     sdt = residual.dtype  # as in rms_norm_fwd_gather
-    xf = _load_input(x, residual, res_out, (b, 0), (TILE_M, TILE_N), ADD, ADD == ADD_PRE)
-    r = _rstd_from_sum_sq(_sum_sq(xf), x.shape[1], eps, CAST, sdt)
     wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, sdt)
-    y = ct.astype(_normalize_as(xf, r, wt, CAST, sdt, x.dtype), _F32)  # rounded to x's dtype, as stored unfused
     if QUANT == QUANT_STATIC:
-        s = ct.reshape(ct.load(scale_in, (0,), (1,)), (1, 1))
-        q = y / s
-    else:
-        ub = 0.0
-        if HAS_UB:
-            ub = ct.reshape(ct.load(scale_ub, (0,), (1,)), (1, 1))
-        if QUANT == QUANT_TOKEN:
+        s_static = ct.reshape(ct.load(scale_in, (0,), (1,)), (1, 1))
+    ub = 0.0
+    if HAS_UB:
+        ub = ct.reshape(ct.load(scale_ub, (0,), (1,)), (1, 1))
+    # Grid-stride over row tiles: the launch decides whether a block walks several (the persistent walk, whose
+    # next tiles' loads the compiler keeps in flight) or exactly one (few rows, the batch-invariant mode).
+    for b in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
+        xf = _load_input(x, residual, res_out, (b, 0), (TILE_M, TILE_N), ADD, ADD == ADD_PRE)
+        r = _rstd_from_sum_sq(_sum_sq(xf), x.shape[1], eps, CAST, sdt)
+        y = ct.astype(_normalize_as(xf, r, wt, CAST, sdt, x.dtype), _F32)  # rounded to x's dtype, as stored unfused
+        if QUANT == QUANT_STATIC:
+            q = y / s_static
+        elif QUANT == QUANT_TOKEN:
             amax = ct.max(ct.abs(y), axis=1, keepdims=True, propagate_nan=True)
             s = _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0)
             q = y / s
@@ -93,4 +95,4 @@ def rms_norm_fp8_fwd(
             s = _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0)
             q = ct.reshape(groups / s, (TILE_M, TILE_N))
             ct.store(scales, (b, 0), ct.reshape(s, (TILE_M, TILE_N // GROUP)), allow_tma=False)
-    ct.store(y_q, (b, 0), _saturate(q, fp8_max, y_q.dtype), allow_tma=False)
+        ct.store(y_q, (b, 0), _saturate(q, fp8_max, y_q.dtype), allow_tma=False, latency=3)
