@@ -27,7 +27,7 @@ def _fp8_forward(x, residual, weight, eps, offset, casting_mode, out_dtype, scal
     quant = dict(scale=scale, group_size=group_size, scale_ub=scale_ub, out_dtype=out_dtype, use_ue8m0=use_ue8m0)
     n = x.shape[-1]
     if residual is not None:
-        _checks.check_dtype_for_backend(residual, backend, module.SUPPORTED_DTYPES)
+        _checks.check_dtype_for_backend(residual, backend, module.SUPPORTED_DTYPES, "residual")
     fused = getattr(module, "fp8_forward", None)
     if (
         fused is None

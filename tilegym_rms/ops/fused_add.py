@@ -19,7 +19,7 @@ def _fused_add_forward(x, residual, weight, eps, mode, offset, casting_mode, bac
     """``(y, residual_out or None, rstd)``; ``in_place`` (mode "pre"): the sum is written into ``residual``
     where the backend can (the returned residual_out then shares its memory), else the caller copies it."""
     module = _backend(x, backend)
-    _checks.check_dtype_for_backend(residual, backend, module.SUPPORTED_DTYPES)
+    _checks.check_dtype_for_backend(residual, backend, module.SUPPORTED_DTYPES, "residual")
     fused = getattr(module, "fused_add_forward", None)
     if fused is not None and x.numel() > 0 and (residual.dtype == x.dtype or module.FUSED_ADD_MIXED_DTYPES):
         n, w = x.shape[-1], _dense_weight(weight)
