@@ -40,11 +40,6 @@ def _npu_experimental(fn):
     return experimental_kernel(on=("npu",))(triton.jit(fn))
 
 
-def _device_experimental(fn):
-    """As :func:`_npu_experimental`, on NVIDIA GPUs too: for kernels that have run under the interpreter only."""
-    return experimental_kernel(on=("npu", "cuda"))(triton.jit(fn))
-
-
 # --------------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------------
@@ -457,7 +452,7 @@ def _gate(z, REF, CASTING: tl.constexpr):
     return z / (1.0 + tl.exp(-z))
 
 
-@_device_experimental
+@_npu_experimental
 def gated_rms_norm_fwd_kernel(
     X, Z, W, Y, RSTD,
     M, N, S, stride_x, stride_z, stride_y, eps, offset,
@@ -491,7 +486,7 @@ def gated_rms_norm_fwd_kernel(
             _store_vec(RSTD + g, rows * groups, M * groups, rstd, EVEN_M)
 
 
-@_device_experimental
+@_npu_experimental
 def gated_rms_norm_bwd_kernel(
     DY, X, Z, W, RSTD, DX, DZ, DW_PARTIAL,
     M, N, S, stride_dy, stride_x, stride_z, stride_dx, stride_dz, offset,
