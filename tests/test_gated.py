@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 from conftest import rel_err
+from test_batch_invariance import RowOp, assert_rows_invariant, row_probes, weight_of
 
 import tilegym_rms
 from tilegym_rms import reference
@@ -398,3 +399,19 @@ def test_compile_fullgraph_as_first_call_on_gpu():
 
     env = {"TILEGYM_RMS_SILENCE_EXPERIMENTAL": "1"}
     assert run_fresh("DEVICE = 'cuda'\n" + textwrap.dedent(GATED_COMPILE_FIRST), env).strip().endswith("ok")
+
+
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_torch_rows_are_batch_invariant_in_the_mode(group_size):
+    """The torch backend on the CPU, as for the plain norm: a row's y, dx and dz alone and in batches."""
+    n = 128
+    w = weight_of(n, torch.bfloat16).requires_grad_()
+
+    def run(b):
+        x, z = b["x"].detach().requires_grad_(), b["residual"].detach().requires_grad_()
+        y = tilegym_rms.gated_rms_norm(x, z, w, 1e-6, group_size=group_size, casting_mode="llama", backend="torch")
+        dx, dz = torch.autograd.grad(y, (x, z), b["dy"])
+        return {"y": y.detach(), "dx": dx, "dz": dz}, {}
+
+    with tilegym_rms.batch_invariant():
+        assert_rows_invariant(RowOp(("x", "residual", "dy"), run), row_probes(n, torch.bfloat16), [1, 7, 600])

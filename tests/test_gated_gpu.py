@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from conftest import rel_err
+from test_batch_invariance import RowOp, assert_rows_invariant, row_probes, weight_of
 from test_cutile_gpu import DW_TOL, Y_TOL, _quiet_experimental_and_release_memory  # noqa: F401  (autouse)
 
 import tilegym_rms
@@ -178,3 +179,25 @@ def test_cutile_is_the_default_and_launches_its_kernels(monkeypatch):
     from tilegym_rms.experimental import kernel_name
 
     assert [kernel_name(k) for k in launched] == ["gated_rms_norm_fwd", "gated_rms_norm_bwd", "rms_norm_dw_reduce"]
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize("n,group_size", [(128, None), (1000, None), (4096, 1024), (8192, None)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_invariant_mode(backend, n, group_size, norm_before_gate):
+    """In the batch-invariant mode each probe row's y, dx and dz are those of the row alone, at Ms where the
+    default launch tiles several rows and walks several tiles per block; dw (a sum over rows) is not compared.
+    The probes' ``residual`` rows serve as the gate."""
+    _skip_interpreted(backend)
+    w = weight_of(n, torch.bfloat16, "cuda").requires_grad_()
+
+    def run(b):
+        x, z = b["x"].detach().requires_grad_(), b["residual"].detach().requires_grad_()
+        y = tilegym_rms.gated_rms_norm(x, z, w, EPS, group_size=group_size, norm_before_gate=norm_before_gate,
+                                       casting_mode="llama", backend=backend)  # fmt: skip
+        dx, dz = torch.autograd.grad(y, (x, z), b["dy"])
+        return {"y": y.detach(), "dx": dx, "dz": dz}, {}
+
+    with tilegym_rms.batch_invariant():
+        probes = row_probes(n, torch.bfloat16, "cuda")
+        assert_rows_invariant(RowOp(("x", "residual", "dy"), run), probes, [1, 7, 600, 4100, 40000])
