@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 from tilegym_rms import aot  # noqa: E402
 from tilegym_rms.cutile import kernels  # noqa: E402
-from tilegym_rms.reference import CASTING_CODES, DEFAULT_CASTING_MODE  # noqa: E402
+from tilegym_rms.reference import CASTING_CODES, DEFAULT_CASTING_MODE, GATE_CODES  # noqa: E402
 
 
 def test_variants_cover_every_kernel():
@@ -116,14 +116,17 @@ def test_qk_variants_cover_the_head_dims_and_both_kernels():
 
 def test_gated_variants_cover_the_tile_classes_and_axes():
     """The gated variants reach each group tile of GATED_SHAPES (a padded group, groups padded to a power of two
-    in count), both orders of norm and gate, every casting mode, the no-weight and no-rstd forward, and an fp32
-    gate beside bf16 x."""
+    in count), both orders of norm and gate, every casting mode (with either gate), the no-weight and no-rstd
+    forward, and an fp32 gate beside bf16 x."""
     gated = aot.gated_variants()
     assert {v.kernel_name for v in gated} == {"gated_rms_norm_fwd", "gated_rms_norm_bwd", "rms_norm_dw_reduce"}
     fwd = [v for v in gated if v.kernel_name == "gated_rms_norm_fwd"]
     tiles = {(c["TILE_G"], c["TILE_S"]) for c in (v.constants() for v in fwd)}
     assert tiles == {(1, 128), (1, 8192), (4, 512), (32, 128), (8, 1024)}
     assert {c["CAST"] for c in (v.constants() for v in fwd)} == set(CASTING_CODES.values())
+    sigmoid = [c for c in (v.constants() for v in fwd) if c["GATE"] == GATE_CODES["sigmoid"]]
+    assert {c["CAST"] for c in sigmoid} == set(CASTING_CODES.values())
+    assert {c["NORM_BEFORE_GATE"] for c in sigmoid} == {True, False}
     axes = {(c["HAS_W"], c["NORM_BEFORE_GATE"], c["STORE_RSTD"]) for c in (v.constants() for v in fwd)}
     assert axes >= {(False, True, True), (True, True, False), (True, False, True)}
     bwd = [v for v in gated if v.kernel_name == "gated_rms_norm_bwd"]
@@ -133,6 +136,7 @@ def test_gated_variants_cover_the_tile_classes_and_axes():
         (False, True),
         (False, False),
     }
+    assert {v.constants()["GATE"] for v in bwd} == set(GATE_CODES.values())
     assert ("array", torch.float32, 3) in {v.params[2] for v in bwd}  # the gate of bf16 x in fp32
     assert set(gated) <= set(aot.variants())  # the full check compiles them too
 

@@ -314,7 +314,7 @@ def _(mesh):
     _check_fused(mesh, "post", "aot_eager")
 
 
-def _check_gated(mesh, compile_backend=None):
+def _check_gated(mesh, compile_backend=None, activation="silu"):
     """gated_rms_norm on x and a gate sharded on the sequence dim: y, dx and dz keep the sharding, dw is
     Partial(sum); all match the unsharded call."""
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
@@ -325,7 +325,9 @@ def _check_gated(mesh, compile_backend=None):
     z = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
 
     def fn(a, g, weight):
-        return tilegym_rms.gated_rms_norm(a, g, weight, EPS, group_size=8, norm_before_gate=False)
+        return tilegym_rms.gated_rms_norm(
+            a, g, weight, EPS, group_size=8, norm_before_gate=False, activation=activation
+        )
 
     run = _compiled(fn, compile_backend) if compile_backend else fn
     leaves = [t.clone().requires_grad_() for t in (x, z, w)]
@@ -352,6 +354,11 @@ def _(mesh):
 @case("gated-compile-aot_eager")
 def _(mesh):
     _check_gated(mesh, "aot_eager")
+
+
+@case("gated-sigmoid-compile-aot_eager")
+def _(mesh):
+    _check_gated(mesh, "aot_eager", "sigmoid")
 
 
 @case("module-sequence-parallel")

@@ -15,12 +15,19 @@ from tilegym_rms import reference
 # (semantics, group size) pairs every model family uses: Qwen3-Next (one group, norm before gate), Mamba2
 # (groups, gate before norm), FalconH1 (groups, either order)
 LAYOUTS = [(True, None), (True, 4), (False, None), (False, 4)]
+ACTIVATIONS = ["silu", "sigmoid"]
 
 
-def fp64_gated(x, z, w, eps, group_size, norm_before_gate, offset=0.0):
+def fp64_gate(z, activation="silu"):
+    """The gate in float64, written out: silu ``z / (1 + e^-z)``, sigmoid ``1 / (1 + e^-z)``."""
+    z = z.double()
+    return (z if activation == "silu" else 1) / (1 + torch.exp(-z))
+
+
+def fp64_gated(x, z, w, eps, group_size, norm_before_gate, offset=0.0, activation="silu"):
     """The gated norm in float64, written out from the models' definitions."""
-    x, z = x.double(), z.double()
-    gate = z / (1 + torch.exp(-z))
+    x = x.double()
+    gate = fp64_gate(z, activation)
     h = x if norm_before_gate else x * gate
     g = group_size or x.shape[-1]
     hg = h.unflatten(-1, (x.shape[-1] // g, g))
@@ -34,15 +41,25 @@ def hf_class(module, name):
     return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
 
 
-# Each HF gated class, how to build it for a width and group size, and the casting mode that rounds as it does.
+def sigmoid_gated(module, name):
+    """A sigmoid-gated class (one group, norm before gate, fp32 throughout), as its builder."""
+    return lambda n, g, nbg: hf_class(module, name)(n, eps=1e-6)
+
+
+# Each HF gated class, how to build it for a width and group size, the casting mode that rounds as it does and
+# its gate's activation.
 HF_CLASSES = {
-    "qwen3_next": (lambda n, g, nbg: hf_class("qwen3_next", "Qwen3NextRMSNormGated")(n, eps=1e-6), "llama"),
-    "mamba2": (lambda n, g, nbg: hf_class("mamba2", "MambaRMSNormGated")(n, group_size=g, eps=1e-6), "llama"),
-    "nemotron_h": (lambda n, g, nbg: hf_class("nemotron_h", "NemotronHRMSNormGated")(n, group_size=g), "llama"),
+    "qwen3_next": (lambda n, g, nbg: hf_class("qwen3_next", "Qwen3NextRMSNormGated")(n, eps=1e-6), "llama", "silu"),
+    "mamba2": (lambda n, g, nbg: hf_class("mamba2", "MambaRMSNormGated")(n, group_size=g, eps=1e-6), "llama", "silu"),
+    "nemotron_h": (lambda n, g, nbg: hf_class("nemotron_h", "NemotronHRMSNormGated")(n, group_size=g), "llama", "silu"),
     "falcon_h1": (
         lambda n, g, nbg: hf_class("falcon_h1", "FalconH1RMSNormGated")(n, n_groups=n // g, norm_before_gate=nbg),
         "gemma",
+        "silu",
     ),
+    "kimi_linear": (sigmoid_gated("kimi_linear", "KimiLinearRMSNormGated"), "gemma", "sigmoid"),
+    "bailing_hybrid": (sigmoid_gated("bailing_hybrid", "BailingHybridRMSNormGated"), "gemma", "sigmoid"),
+    "glm5_next": (sigmoid_gated("glm5_next", "Glm5NextTextRMSNormGated"), "gemma", "sigmoid"),
 }
 HF_CASES = [
     ("qwen3_next", True, None),
@@ -51,22 +68,27 @@ HF_CASES = [
     ("nemotron_h", False, 8),
     ("falcon_h1", True, 16),
     ("falcon_h1", False, 64),
+    ("kimi_linear", True, None),
+    ("bailing_hybrid", True, None),
+    ("glm5_next", True, None),
 ]
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("norm_before_gate,group_size", LAYOUTS)
 @pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_reference_forward_matches_fp64(norm_before_gate, group_size, casting_mode, dtype):
+def test_reference_forward_matches_fp64(norm_before_gate, group_size, casting_mode, dtype, activation):
     torch.manual_seed(0)
     x, z = torch.randn(3, 5, 16, dtype=dtype), torch.randn(3, 5, 16, dtype=dtype)
     w = torch.randn(16, dtype=dtype)
-    y, rstd = reference.gated_rms_norm_forward(x, z, w, 1e-5, group_size, norm_before_gate, 0.5, casting_mode)
+    args = (group_size, norm_before_gate, 0.5)
+    y, rstd = reference.gated_rms_norm_forward(x, z, w, 1e-5, *args, casting_mode, activation)
     tol = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float64: 1e-13}[dtype]
-    assert y.dtype == dtype and rel_err(y, fp64_gated(x, z, w, 1e-5, group_size, norm_before_gate, 0.5)) <= tol
+    assert y.dtype == dtype and rel_err(y, fp64_gated(x, z, w, 1e-5, *args, activation)) <= tol
     groups = 16 // (group_size or 16)
     assert rstd.shape == (3, 5, groups) and rstd.dtype == reference.compute_dtype(dtype)
-    h = x.double() if norm_before_gate else x.double() * torch.nn.functional.silu(z.double())
+    h = x.double() if norm_before_gate else x.double() * fp64_gate(z, activation)
     expected = torch.rsqrt(h.unflatten(-1, (groups, -1)).square().mean(-1) + 1e-5)
     assert rel_err(rstd, expected) <= max(tol, 1e-6)
 
@@ -77,7 +99,7 @@ def test_reference_forward_matches_fp64(norm_before_gate, group_size, casting_mo
 def test_reference_has_the_bits_of_each_hf_class(model, norm_before_gate, group_size, dtype, gate_dtype):
     """Each HF class's forward, with its weight in the model's dtype, against the reference in the mode that
     rounds as it does: bit for bit in 16 bits (in fp32 the sum of squares may round another way)."""
-    build, mode = HF_CLASSES[model]
+    build, mode, activation = HF_CLASSES[model]
     n = 128
     hf = build(n, group_size or n, norm_before_gate).to(dtype)
     torch.manual_seed(1)
@@ -87,10 +109,12 @@ def test_reference_has_the_bits_of_each_hf_class(model, norm_before_gate, group_
     z = torch.randn(2, 9, n, dtype=dtype if gate_dtype == "x" else gate_dtype)
     with torch.no_grad():
         expected = hf(x, z)
-    y, _ = reference.gated_rms_norm_forward(x, z, hf.weight.detach(), 1e-6, group_size, norm_before_gate, 0.0, mode)
+    args = (group_size, norm_before_gate, 0.0, mode, activation)
+    y, _ = reference.gated_rms_norm_forward(x, z, hf.weight.detach(), 1e-6, *args)
     out = tilegym_rms.gated_rms_norm(
-        x, z, hf.weight.detach(), 1e-6, group_size=group_size, norm_before_gate=norm_before_gate, casting_mode=mode
-    )
+        x, z, hf.weight.detach(), 1e-6, group_size=group_size, norm_before_gate=norm_before_gate, casting_mode=mode,
+        activation=activation,
+    )  # fmt: skip
     for result in (y, out):
         assert result.dtype == expected.dtype
         assert torch.equal(result, expected) if dtype != torch.float32 else rel_err(result, expected) <= 1e-6
@@ -107,43 +131,51 @@ def test_llama_and_gemma_round_differently():
     assert rel_err(gemma, exact) < rel_err(llama, exact)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("norm_before_gate,group_size", LAYOUTS)
 @pytest.mark.parametrize("weight,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])
-def test_backward_matches_fp64_autograd(norm_before_gate, group_size, weight, offset):
+def test_backward_matches_fp64_autograd(norm_before_gate, group_size, weight, offset, activation):
     torch.manual_seed(3)
     x = torch.randn(4, 3, 12 if group_size is None else 16, dtype=torch.float64, requires_grad=True)
     z = torch.randn(x.shape, dtype=torch.float64, requires_grad=True)
     w = torch.randn(x.shape[-1], dtype=torch.float64, requires_grad=True) if weight else None
     dy = torch.randn(x.shape, dtype=torch.float64)
-    fp64_gated(x, z, w, 1e-5, group_size, norm_before_gate, offset).backward(dy)
+    fp64_gated(x, z, w, 1e-5, group_size, norm_before_gate, offset, activation).backward(dy)
     xd, zd, wd = x.detach(), z.detach(), (w.detach() if weight else None)
-    _, rstd = reference.gated_rms_norm_forward(xd, zd, wd, 1e-5, group_size, norm_before_gate, offset, "gemma")
-    dx, dz, dw = reference.gated_rms_norm_backward(xd, zd, dy, wd, rstd, group_size, norm_before_gate, offset)
+    args = (group_size, norm_before_gate, offset, "gemma", activation)
+    _, rstd = reference.gated_rms_norm_forward(xd, zd, wd, 1e-5, *args)
+    dx, dz, dw = reference.gated_rms_norm_backward(xd, zd, dy, wd, rstd, *args)
     assert rel_err(dx, x.grad) <= 1e-12 and rel_err(dz, z.grad) <= 1e-12
     assert (dw is None) if not weight else rel_err(dw, w.grad) <= 1e-12
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("norm_before_gate,group_size", LAYOUTS)
-def test_gradcheck_and_double_backward(norm_before_gate, group_size):
+def test_gradcheck_and_double_backward(norm_before_gate, group_size, activation):
     torch.manual_seed(4)
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     z = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, activation=activation)
 
     def fn(x, z, w):
-        return tilegym_rms.gated_rms_norm(x, z, w, 1e-5, group_size=group_size, norm_before_gate=norm_before_gate)
+        return tilegym_rms.gated_rms_norm(x, z, w, 1e-5, **kw)
 
     assert torch.autograd.gradcheck(fn, (x, z, w))
     assert torch.autograd.gradgradcheck(fn, (x, z, w))
 
 
-@pytest.mark.parametrize("norm_before_gate,group_size", LAYOUTS)
-def test_compile_fullgraph_matches_eager(norm_before_gate, group_size):
+# Every layout with silu; sigmoid before and after the norm (its graph differs only in the gate's op).
+COMPILE_CASES = [(*layout, "silu") for layout in LAYOUTS] + [(True, None, "sigmoid"), (False, 4, "sigmoid")]
+
+
+@pytest.mark.parametrize("norm_before_gate,group_size,activation", COMPILE_CASES)
+def test_compile_fullgraph_matches_eager(norm_before_gate, group_size, activation):
     torch.manual_seed(5)
     x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)
     z = torch.randn(2, 5, 16, requires_grad=True)
     w = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)
-    kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, casting_mode="llama")
+    kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, casting_mode="llama", activation=activation)
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, z, w: tilegym_rms.gated_rms_norm(x, z, w, **kw), fullgraph=True)
     dy = torch.randn(x.shape, dtype=torch.bfloat16)
@@ -209,6 +241,8 @@ def test_empty_inputs(shape, group_size):
         (dict(group_size=True), ValueError, "group_size must be None or a positive int"),
         (dict(norm_before_gate=1), TypeError, "norm_before_gate must be True or False, got int"),
         (dict(casting_mode="fp8"), ValueError, "casting_mode must be one of"),
+        (dict(activation="gelu"), ValueError, r"^activation must be one of 'silu', 'sigmoid', got 'gelu'$"),
+        (dict(activation=None), ValueError, r"^activation must be one of 'silu', 'sigmoid', got None$"),
         (dict(weight=torch.ones(4)), ValueError, r"weight must have shape \(8,\)"),
     ],
 )
@@ -237,6 +271,11 @@ def test_module_matches_the_function_and_checks_where_it_is_built():
         tilegym_rms.GatedRMSNorm(16, group_size=5)
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         tilegym_rms.GatedRMSNorm(16, backend="cuda")
+    with pytest.raises(ValueError, match="activation must be one of 'silu', 'sigmoid', got 'tanh'"):
+        tilegym_rms.GatedRMSNorm(16, activation="tanh")
+    sig = tilegym_rms.GatedRMSNorm(16, eps=1e-5, activation="sigmoid")
+    assert "activation='sigmoid'" in repr(sig)
+    assert rel_err(sig(x, z), fp64_gated(x, z, None, 1e-5, None, True, activation="sigmoid")) <= 1e-6
 
 
 # ------------------------------------------------------------------------------------------------
@@ -251,23 +290,25 @@ def _emulated_launch(calls):
         name = kernel_name(kernel)
         calls.append(name)
         if name == "gated_rms_norm_fwd":
-            x, z, w, y, rstd, eps, offset, _tm, tile_g, tile_s, cast, has_w, nbg, store = args
+            x, z, w, y, rstd, eps, offset, _tm, tile_g, tile_s, cast, has_w, nbg, gate, store = args
             m, groups, size = x.shape
             assert grid[1] == -(-groups // tile_g) and size <= tile_s < 2 * size
             mode = reference.KERNEL_CASTING_MODES[cast]
             weight = w.reshape(-1) if has_w else None
             out, r = reference.gated_rms_norm_forward(
-                x.reshape(m, -1), z.reshape(m, -1), weight, eps, size, nbg, offset, mode
-            )
+                x.reshape(m, -1), z.reshape(m, -1), weight, eps, size, nbg, offset, mode,
+                reference.GATE_ACTIVATIONS[gate],
+            )  # fmt: skip
             y.copy_(out.view(y.shape))
             if store:
                 rstd.copy_(r)
         elif name == "gated_rms_norm_bwd":
-            dy, x, z, w, rstd, dx, dz, partial, offset, _tm, _tg, _ts, has_w, nbg = args
+            dy, x, z, w, rstd, dx, dz, partial, offset, _tm, _tg, _ts, has_w, nbg, gate = args
             m, groups, size = x.shape
             weight = w.reshape(-1) if has_w else None
             flat = [t.reshape(m, -1) for t in (x, z, dy)]
-            gx, gz, dw = reference.gated_rms_norm_backward(flat[0], flat[1], flat[2], weight, rstd, size, nbg, offset)
+            config = (size, nbg, offset, "gemma", reference.GATE_ACTIVATIONS[gate])
+            gx, gz, dw = reference.gated_rms_norm_backward(flat[0], flat[1], flat[2], weight, rstd, *config)
             dx.copy_(gx.view(dx.shape))
             dz.copy_(gz.view(dz.shape))
             if has_w:  # spread over the partial rows, one per block of grid axis 0
@@ -301,16 +342,17 @@ def emulated_cutile(monkeypatch):
 
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize(
-    "n,group_size,weight", [(96, None, True), (96, 32, True), (120, 40, False), (3 * 512, 512, True)]
+    "n,group_size,weight,activation",
+    [(96, None, True, "silu"), (96, 32, True, "sigmoid"), (120, 40, False, "silu"), (3 * 512, 512, True, "silu")],
 )
-def test_cutile_host_views_and_partial_buffer(emulated_cutile, norm_before_gate, n, group_size, weight):
+def test_cutile_host_views_and_partial_buffer(emulated_cutile, norm_before_gate, n, group_size, weight, activation):
     """The host's (M, G, S) views, rstd, grids and dw partial buffer, on row-strided x and a strided fp32 gate:
-    the results of the reference on the whole call."""
+    the results of the reference on the whole call (the gate's activation passed through to both kernels)."""
     torch.manual_seed(9)
     x = torch.randn(3, 7, n + 8, dtype=torch.bfloat16)[..., :n].requires_grad_()
     z = torch.randn(n, 3, 7).permute(1, 2, 0).requires_grad_()
     w = torch.randn(n, dtype=torch.bfloat16, requires_grad=True) if weight else None
-    kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, casting_mode="llama")
+    kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, casting_mode="llama", activation=activation)
     y = tilegym_rms.gated_rms_norm(x, z, w, 1e-5, backend="cutile", **kw)
     dy = torch.randn(y.shape, dtype=y.dtype)
     grads = torch.autograd.grad(y, [t for t in (x, z, w) if t is not None], dy)

@@ -46,21 +46,23 @@ def _inputs(m, n, dtype, gate_dtype, seed=0, weight=True):
     return x, z, w, dy
 
 
-def _fp64(x, z, w, dy, group_size, norm_before_gate, offset):
+def _fp64(x, z, w, dy, group_size, norm_before_gate, offset, activation="silu"):
     """``(y, dx, dz, dw)`` of the float64 math."""
     xd, zd, wd = (t.double() if t is not None else None for t in (x, z, w))
-    y, rstd = reference.gated_rms_norm_forward(xd, zd, wd, EPS, group_size, norm_before_gate, offset, "gemma")
-    grads = reference.gated_rms_norm_backward(xd, zd, dy.double(), wd, rstd, group_size, norm_before_gate, offset)
+    config = (group_size, norm_before_gate, offset, "gemma", activation)
+    y, rstd = reference.gated_rms_norm_forward(xd, zd, wd, EPS, *config)
+    grads = reference.gated_rms_norm_backward(xd, zd, dy.double(), wd, rstd, *config)
     return (y, *grads)
 
 
-def _check(backend, x, z, w, dy, group_size, norm_before_gate, casting_mode="llama", offset=0.0):
+def _check(backend, x, z, w, dy, group_size, norm_before_gate, casting_mode="llama", offset=0.0, activation="silu"):
     """Runs forward and backward on ``backend``; asserts each output against float64; returns them."""
     leaves = [t.detach().requires_grad_() for t in (x, z, w) if t is not None]
-    kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, offset=offset, casting_mode=casting_mode)
+    kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, offset=offset, casting_mode=casting_mode,
+              activation=activation)  # fmt: skip
     y = tilegym_rms.gated_rms_norm(*leaves[:2], leaves[2] if w is not None else None, EPS, backend=backend, **kw)
     grads = torch.autograd.grad(y, leaves, dy)
-    expected = _fp64(x, z, w, dy, group_size, norm_before_gate, offset)
+    expected = _fp64(x, z, w, dy, group_size, norm_before_gate, offset, activation)
     tol = Y_TOL[x.dtype]
     assert y.dtype == x.dtype and grads[0].dtype == x.dtype and grads[1].dtype == z.dtype
     pairs = zip(("y", "dx", "dz"), (y, *grads[:2]), expected[:3], strict=True)
@@ -86,32 +88,36 @@ def test_shapes(backend, n, group_size, m):
     _check(backend, x, z, w, dy, group_size, group_size is None)
 
 
-@pytest.mark.parametrize("norm_before_gate", [True, False])
+# The sigmoid gate after the norm, as every model that uses it (both orders: test_casting_modes_round_as_the_reference).
+@pytest.mark.parametrize("norm_before_gate,activation", [(True, "silu"), (False, "silu"), (True, "sigmoid")])
 @pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("n,group_size", [(4096, 1024), (96, None)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_dtypes(backend, n, group_size, dtype, gate_dtype, norm_before_gate):
+def test_dtypes(backend, n, group_size, dtype, gate_dtype, norm_before_gate, activation):
     _skip_interpreted(backend)
-    _check(backend, *_inputs(4097, n, dtype, gate_dtype), group_size, norm_before_gate)
+    _check(backend, *_inputs(4097, n, dtype, gate_dtype), group_size, norm_before_gate, activation=activation)
 
 
+@pytest.mark.parametrize("activation", reference.GATE_ACTIVATIONS)
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize("weight,offset", [(True, 1.0), (False, 0.0)])
 @pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_casting_modes_round_as_the_reference(backend, casting_mode, weight, offset, norm_before_gate):
+def test_casting_modes_round_as_the_reference(backend, casting_mode, weight, offset, norm_before_gate, activation):
     """Each mode against float64, and against the reference in that mode: the kernels round where it does (up
     to an ulp where a row's fp32 sum, added in another order, rounds rstd another way)."""
     _skip_interpreted(backend)
     x, z, w, dy = _inputs(129, 1536, torch.bfloat16, torch.float32, weight=weight)
+    config = (512, norm_before_gate, offset)
     if casting_mode == "none":  # fp32 math in 16-bit steps is further from float64
         y = tilegym_rms.gated_rms_norm(x, z, w, EPS, group_size=512, norm_before_gate=norm_before_gate,
-                                       offset=offset, casting_mode="none", backend=backend)  # fmt: skip
-        assert rel_err(y, _fp64(x, z, w, dy, 512, norm_before_gate, offset)[0]) <= 3e-2
+                                       offset=offset, casting_mode="none", activation=activation,
+                                       backend=backend)  # fmt: skip
+        assert rel_err(y, _fp64(x, z, w, dy, *config, activation)[0]) <= 3e-2
     else:
-        y, _ = _check(backend, x, z, w, dy, 512, norm_before_gate, casting_mode, offset)
-    expected, _ = reference.gated_rms_norm_forward(x, z, w, EPS, 512, norm_before_gate, offset, casting_mode)
+        y, _ = _check(backend, x, z, w, dy, *config, casting_mode, activation=activation)
+    expected, _ = reference.gated_rms_norm_forward(x, z, w, EPS, *config, casting_mode, activation)
     assert rel_err(y, expected) <= 4e-3
     ulp = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(y.float(), expected.float(), rtol=2 * ulp, atol=2 * ulp)
@@ -150,9 +156,10 @@ def test_empty_inputs(backend):
     assert y.shape == x.shape and z.grad.shape == z.shape and torch.equal(w.grad, torch.zeros_like(w))
 
 
-def test_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("activation", reference.GATE_ACTIVATIONS)
+def test_compile_fullgraph_matches_eager(activation):
     x, z, w, dy = _inputs(4097, 4096, torch.bfloat16, torch.float32)
-    kw = dict(group_size=1024, norm_before_gate=False, casting_mode="llama", backend="cutile")
+    kw = dict(group_size=1024, norm_before_gate=False, casting_mode="llama", activation=activation, backend="cutile")
 
     def fn(x, z, w):
         return tilegym_rms.gated_rms_norm(x, z, w, EPS, **kw)

@@ -582,56 +582,67 @@ def test_kernel_source_avoids_what_triton_ascend_rejects():
 # --------------------------------------------------------------------------------------------------
 
 
-def _gated_fp64(x, z, w, group_size, norm_before_gate, offset):
+def _gated_fp64(x, z, w, group_size, norm_before_gate, offset, activation="silu"):
     """The reference's math in float64 on float64 copies: what the fp32 kernels are held to."""
     d = [t.double() if t is not None else None for t in (x, z, w)]
-    return ref.gated_rms_norm_forward(d[0], d[1], d[2], EPS, group_size, norm_before_gate, offset, "gemma")
+    args = (group_size, norm_before_gate, offset, "gemma", activation)
+    return ref.gated_rms_norm_forward(d[0], d[1], d[2], EPS, *args)
 
 
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize(
-    "m,n,group_size,weight,offset",
-    [(7, 48, None, True, 0.0), (9, 96, 32, True, 1.0), (5, 60, 20, False, 0.0), (33, 128, 16, True, 0.0)],
+    "m,n,group_size,weight,offset,activation",
+    [
+        (7, 48, None, True, 0.0, "silu"),
+        (9, 96, 32, True, 1.0, "silu"),
+        (5, 60, 20, False, 0.0, "silu"),
+        (33, 128, 16, True, 0.0, "silu"),
+        (7, 48, None, True, 0.0, "sigmoid"),
+        (9, 96, 32, True, 1.0, "sigmoid"),
+        (5, 60, 20, False, 0.0, "sigmoid"),
+    ],
 )
-def test_gated_kernels_match_fp64(m, n, group_size, weight, offset, norm_before_gate, monkeypatch):
+def test_gated_kernels_match_fp64(m, n, group_size, weight, offset, activation, norm_before_gate, monkeypatch):
     """Forward, rstd and every gradient against float64, on row-strided x and a transposed gate (groups
-    whose size is not a power of two, many row blocks)."""
+    whose size is not a power of two, many row blocks), for either gate."""
     launched = []
     monkeypatch.setattr(launch_mod, "notify_launch", lambda kernel, device: launched.append(kernel))
     x = strided(m, n, seed=3).requires_grad_()
     z = rand(n, m, seed=4).t().requires_grad_()
     w = rand(n, seed=5).requires_grad_() if weight else None
     kw = dict(group_size=group_size, norm_before_gate=norm_before_gate, offset=offset, casting_mode="gemma")
-    y = tilegym_rms.gated_rms_norm(x, z, w, EPS, backend="triton", **kw)
+    y = tilegym_rms.gated_rms_norm(x, z, w, EPS, backend="triton", activation=activation, **kw)
     expected, _ = _gated_fp64(x.detach(), z.detach(), None if w is None else w.detach(), group_size,
-                              norm_before_gate, offset)  # fmt: skip
+                              norm_before_gate, offset, activation)  # fmt: skip
     assert rel_err(y, expected) <= TOL_FP32
     _, rstd = triton_backend.gated_forward(x.detach(), z.detach().contiguous(), None if w is None else w.detach(),
                                            EPS, offset, "gemma", group_size=group_size or n,
-                                           norm_before_gate=norm_before_gate)  # fmt: skip
+                                           norm_before_gate=norm_before_gate, activation=activation)  # fmt: skip
     assert rstd.shape == (m, n // (group_size or n))
-    assert rel_err(rstd, _gated_fp64(x.detach(), z.detach(), None, group_size, norm_before_gate, 0.0)[1]) <= TOL_FP32
+    want_rstd = _gated_fp64(x.detach(), z.detach(), None, group_size, norm_before_gate, 0.0, activation)[1]
+    assert rel_err(rstd, want_rstd) <= TOL_FP32
     dy = rand(m, n, seed=6)
     inputs = [t for t in (x, z, w) if t is not None]
     grads = torch.autograd.grad(y, inputs, dy)
     copies = [t.detach().double().requires_grad_() for t in inputs]
     xd, zd, wd = copies[0], copies[1], (copies[2] if weight else None)
-    out = ref.gated_rms_norm_forward(xd, zd, wd, EPS, group_size, norm_before_gate, offset, "gemma")[0]
+    out = ref.gated_rms_norm_forward(xd, zd, wd, EPS, group_size, norm_before_gate, offset, "gemma", activation)[0]
     for got, want in zip(grads, torch.autograd.grad(out, copies, dy.double()), strict=True):
         assert rel_err(got, want) <= TOL_FP32
     expected_launches = [kernels.gated_rms_norm_fwd_kernel] * 2 + [kernels.gated_rms_norm_bwd_kernel]
     assert launched == expected_launches + [kernels.rms_norm_dw_reduce_kernel] * weight
 
 
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 @pytest.mark.parametrize("casting_mode", ["llama", "none"])
 @pytest.mark.parametrize("norm_before_gate", [True, False])
-def test_gated_kernels_round_as_the_reference(casting_mode, norm_before_gate):
+def test_gated_kernels_round_as_the_reference(casting_mode, norm_before_gate, activation):
     """The 16-bit casting modes in fp32 storage would hide their roundings: the kernels take fp32, so check that
     they compute the reference's fp32 result for each mode (same rounding points, fp32 arithmetic)."""
     x, z, w = rand(6, 64, seed=7), rand(6, 64, seed=8), rand(64, seed=9)
     y = tilegym_rms.gated_rms_norm(x, z, w, EPS, group_size=16, norm_before_gate=norm_before_gate,
-                                   casting_mode=casting_mode, backend="triton")  # fmt: skip
-    expected, _ = ref.gated_rms_norm_forward(x, z, w, EPS, 16, norm_before_gate, 0.0, casting_mode)
+                                   casting_mode=casting_mode, activation=activation, backend="triton")  # fmt: skip
+    expected, _ = ref.gated_rms_norm_forward(x, z, w, EPS, 16, norm_before_gate, 0.0, casting_mode, activation)
     assert rel_err(y, expected) <= TOL_FP32
 
 

@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from .reference import CASTING_MODES, FP8_DTYPES, FP8_GROUP_SIZES, FUSED_ADD_MODES, compute_dtype
+from .reference import CASTING_MODES, FP8_DTYPES, FP8_GROUP_SIZES, FUSED_ADD_MODES, GATE_ACTIVATIONS, compute_dtype
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -156,13 +156,21 @@ def check_qk_pair(q, k) -> None:
         raise ValueError(f"q and k must be on one device, got q on {q.device}, k on {k.device}")
 
 
-def check_gated(x, z, group_size, norm_before_gate) -> None:
+def check_gated(x, z, group_size, norm_before_gate, activation) -> None:
     """The gate ``z`` beside ``x`` (its shape and device, any floating dtype), ``group_size`` (None or a positive
-    int dividing the last dim of ``x``) and ``norm_before_gate`` (a bool) of :func:`tilegym_rms.gated_rms_norm`."""
+    int dividing the last dim of ``x``), ``norm_before_gate`` (a bool) and ``activation`` of
+    :func:`tilegym_rms.gated_rms_norm`."""
     check_like("z", z, x)
     check_group_size(group_size, x.shape[-1])
     if not isinstance(norm_before_gate, bool):
         raise TypeError(f"norm_before_gate must be True or False, got {type(norm_before_gate).__name__}")
+    check_activation(activation)
+
+
+def check_activation(activation) -> None:
+    if not isinstance(activation, str) or activation not in GATE_ACTIVATIONS:
+        allowed = ", ".join(map(repr, GATE_ACTIVATIONS))
+        raise ValueError(f"activation must be one of {allowed}, got {activation!r}")
 
 
 def check_group_size(group_size, n: int) -> None:

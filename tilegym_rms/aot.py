@@ -351,11 +351,12 @@ GATED_MORE_DTYPES = ((torch.bfloat16, torch.float32), (torch.float16, torch.floa
 
 def gated_variants_for(
     m: int, n: int, group_size: int, dtype, gate_dtype, num_sms: int = REFERENCE_SMS, every_path: bool = True,
-    invariant: bool = False,
+    invariant: bool = False, activation: str = "silu",
 ) -> list[Variant]:  # fmt: skip
-    """The gated kernel variants for ``(m, n)`` rows in groups of ``group_size``: forward, backward and the dw
-    reduction, for both orders of norm and gate; with ``every_path``, every casting mode, the no-weight and the
-    no-rstd variants too (a training call's: the default casting, a weight of x's dtype, rstd stored)."""
+    """The gated kernel variants for ``(m, n)`` rows in groups of ``group_size`` gated by ``activation``: forward,
+    backward and the dw reduction, for both orders of norm and gate; with ``every_path``, every casting mode, the
+    no-weight and the no-rstd variants too (a training call's: the default casting, a weight of x's dtype, rstd
+    stored)."""
     target = Target(num_sms, None, invariant)
     found, record = _collector()
     x, z, w = _meta(dtype, m, n), _meta(gate_dtype, m, n), _meta(dtype, n)
@@ -365,18 +366,20 @@ def gated_variants_for(
     for norm_before_gate in (True, False):
         for casting_mode, has_w, store in combos if every_path else combos[:1]:
             weight = w if has_w else None
-            fl = gated.forward_launch(target, m, n, group_size, dtype, casting_mode, has_w, norm_before_gate, store)
+            fl = gated.forward_launch(
+                target, m, n, group_size, dtype, casting_mode, has_w, norm_before_gate, store, activation
+            )
             _, rstd = gated.start_forward(fl, x, z, weight, 0.0, 0.0, group_size, store, -1, record)
             if store:
-                bl = gated.backward_launches(target, m, n, group_size, dtype, has_w, norm_before_gate)
+                bl = gated.backward_launches(target, m, n, group_size, dtype, has_w, norm_before_gate, activation)
                 gated.start_backward(bl, x, z, x, weight, rstd, 0.0, group_size, -1, record)
     return list(found)
 
 
 def gated_variants() -> list[Variant]:
     """The distinct gated variants over :data:`GATED_SHAPES` at both representative M (the casting, weight and
-    rstd axes and the other dtype pairs at :data:`GATED_FULL` and the large M only: they add no tile shape), and
-    a training call's in the batch-invariant mode."""
+    rstd axes, the sigmoid gate and the other dtype pairs at :data:`GATED_FULL` and the large M only: they add no
+    tile shape), and a training call's in the batch-invariant mode."""
     found: dict[Variant, None] = {}
     for n, group_size in GATED_SHAPES:
         for m in REPRESENTATIVE_M:
@@ -385,6 +388,9 @@ def gated_variants() -> list[Variant]:
             found.update(dict.fromkeys(more))
             for dtype, gate_dtype in GATED_MORE_DTYPES if full else ():
                 found.update(dict.fromkeys(gated_variants_for(m, n, group_size, dtype, gate_dtype, every_path=False)))
+            if full:  # the sigmoid gate on every path; its arithmetic differs from silu's, its tiles do not
+                more = gated_variants_for(m, n, group_size, torch.bfloat16, torch.bfloat16, activation="sigmoid")
+                found.update(dict.fromkeys(more))
         more = gated_variants_for(
             REPRESENTATIVE_M[0], n, group_size, torch.bfloat16, torch.bfloat16, False, False, True
         )

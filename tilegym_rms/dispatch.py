@@ -88,14 +88,15 @@ class GatedBackend(Protocol):
     """Optional: the gated norm (:func:`tilegym_rms.reference.gated_rms_norm_forward`) in one pass each way
     (else :mod:`tilegym_rms.ops` runs the reference's torch math on the device). ``x``, ``z`` and ``dy`` arrive
     as 2-D ``(M, N)`` views as in :class:`Backend`, ``z`` in any of ``SUPPORTED_DTYPES``; ``group_size``
-    divides ``N`` (``N`` itself for one group); ``rstd`` is ``(M, N // group_size)``."""
+    divides ``N`` (``N`` itself for one group); ``rstd`` is ``(M, N // group_size)``; ``activation`` is one of
+    :data:`tilegym_rms.reference.GATE_ACTIVATIONS`."""
 
     def gated_forward(self, x, z, weight, eps: float, offset: float, casting_mode: str, *, group_size: int,
-                      norm_before_gate: bool, store_rstd=True):  # fmt: skip
+                      norm_before_gate: bool, activation: str = "silu", store_rstd=True):  # fmt: skip
         """``(y, rstd)``: ``y`` contiguous in x's dtype; ``rstd`` contiguous, None unless ``store_rstd``."""
 
     def gated_backward(self, x, z, dy, weight, rstd, offset: float, casting_mode: str, *, group_size: int,
-                       norm_before_gate: bool):  # fmt: skip
+                       norm_before_gate: bool, activation: str = "silu"):  # fmt: skip
         """``(dx, dz, dw)``: contiguous, in x's, z's and the weight's dtype (``dw`` None without a weight)."""
 
 

@@ -74,8 +74,8 @@ class GatedRMSNorm(torch.nn.Module):
     """The gated RMSNorm of hybrid models as a module: ``forward(x, z)`` runs :func:`tilegym_rms.gated_rms_norm`.
 
     ``hidden_size`` is the normalized last dim; ``group_size``, ``norm_before_gate``, ``offset``,
-    ``casting_mode`` and ``backend`` as in that function. The weight (``(hidden_size,)``, without it when
-    ``elementwise_affine=False``) starts at ``1 - offset``, so that a fresh norm scales by 1.
+    ``casting_mode``, ``activation`` and ``backend`` as in that function. The weight (``(hidden_size,)``, without
+    it when ``elementwise_affine=False``) starts at ``1 - offset``, so that a fresh norm scales by 1.
     """
 
     def __init__(
@@ -88,6 +88,7 @@ class GatedRMSNorm(torch.nn.Module):
         elementwise_affine=True,
         offset=0.0,
         casting_mode=DEFAULT_CASTING_MODE,
+        activation="silu",
         backend=None,
         device=None,
         dtype=None,
@@ -102,11 +103,12 @@ class GatedRMSNorm(torch.nn.Module):
         if offset != 0 and not elementwise_affine:
             raise ValueError("offset is added to the weight: it needs elementwise_affine=True")
         _checks.check_casting_mode(casting_mode)
+        _checks.check_activation(activation)
         if backend is not None:
             check_backend_name(backend)
         self.hidden_size, self.eps, self.group_size = hidden_size, _checks.check_eps(eps), group_size
         self.norm_before_gate, self.offset = norm_before_gate, offset
-        self.casting_mode, self.backend = casting_mode, backend
+        self.casting_mode, self.activation, self.backend = casting_mode, activation, backend
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         else:
@@ -120,11 +122,12 @@ class GatedRMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(
             x, z, self.weight, self.eps, group_size=self.group_size, norm_before_gate=self.norm_before_gate,
-            offset=self.offset, casting_mode=self.casting_mode, backend=self.backend,
+            offset=self.offset, casting_mode=self.casting_mode, activation=self.activation, backend=self.backend,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"{self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
-            f"norm_before_gate={self.norm_before_gate}, offset={self.offset}, casting_mode={self.casting_mode!r}"
+            f"norm_before_gate={self.norm_before_gate}, offset={self.offset}, casting_mode={self.casting_mode!r}, "
+            f"activation={self.activation!r}"
         )

@@ -42,6 +42,9 @@ CASTING_CODES = {
     "torch": KERNEL_CASTING_MODES.index("gemma"),
 }
 FUSED_ADD_MODES = ("pre", "post")
+# The gated norm's gate activations, each as the compile-time integer (its index here) the kernels take.
+GATE_ACTIVATIONS = ("silu", "sigmoid")
+GATE_CODES = {a: code for code, a in enumerate(GATE_ACTIVATIONS)}
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -149,12 +152,13 @@ def fused_add_sum(x, residual):
 # ----------------------------------------------------------------------------------------------
 # Gated RMSNorm (hybrid linear-attention / state-space models)
 #
-# ``s = silu(z)``. Norm before gate (Qwen3-Next): ``y = rms_norm(x) * w~ * s``. Gate before norm (Mamba2):
+# ``s = silu(z)`` (Qwen3-Next, Mamba2, FalconH1) or ``sigmoid(z)`` (Kimi-Linear, Bailing-hybrid, GLM-5-Next),
+# the ``activation``. Norm before gate (Qwen3-Next): ``y = rms_norm(x) * w~ * s``. Gate before norm (Mamba2):
 # ``h = x * s``, then ``y = rms_norm(h) * w~``. Either way each group of ``group_size`` contiguous columns has
 # its own rstd (``group_size=None``: one group of the whole row). ``rstd`` has shape
 # ``x.shape[:-1] + (n_groups,)`` always, one group included, in compute_dtype(x.dtype).
 #
-# Roundings, as Hugging Face's gated classes place them (silu is taken in fp32 of the gate and never rounded):
+# Roundings, as Hugging Face's gated classes place them (the gate is taken in fp32 of z and never rounded):
 # * "llama" (Qwen3-Next, Mamba2, Bamba, NemotronH, GraniteMoeHybrid): ``x * s`` in fp32 (gate before norm), the
 #   normalized value rounded to x's dtype, times ``w~`` rounded to x's dtype (HF rounds to the weight's and x's
 #   promoted dtype: the same bits when the weight has x's dtype, as in HF models), then times ``s`` in fp32
@@ -176,13 +180,21 @@ def _grouped(t, n_groups: int, group_size: int):
     return t.reshape(*t.shape[:-1], n_groups, group_size)
 
 
-def _silu_and_slope(z, acc):
-    """``silu(z)`` and its derivative ``sigmoid(z) * (1 + z * (1 - sigmoid(z)))``, in ``acc``. silu is torch's own
-    (``z / (1 + exp(-z))``), whose last fp32 bit ``z * sigmoid(z)`` misses at about a quarter of the values: HF's
-    fp32 gated norms call it."""
+def _gate_and_slope(z, acc, activation):
+    """The gate ``s`` of ``activation`` and its derivative, in ``acc``: silu, ``sigmoid(z) * (1 + z * (1 -
+    sigmoid(z)))``; sigmoid, ``s * (1 - s)``. silu is torch's own (``z / (1 + exp(-z))``), whose last fp32 bit
+    ``z * sigmoid(z)`` misses at about a quarter of the values: HF's fp32 gated norms call it, as they call
+    ``torch.sigmoid``."""
     zf = z.to(acc)
     sig = torch.sigmoid(zf)
+    if activation == "sigmoid":
+        return sig, sig * (1 - sig)
     return torch.nn.functional.silu(zf), sig * (1 + zf * (1 - sig))
+
+
+def gate(z, activation):
+    """The gate of ``activation`` alone, in ``z``'s dtype (the ``"none"`` casting mode's)."""
+    return torch.sigmoid(z) if activation == "sigmoid" else torch.nn.functional.silu(z)
 
 
 def gated_rms_norm_forward(
@@ -194,15 +206,16 @@ def gated_rms_norm_forward(
     norm_before_gate=True,
     offset=0.0,
     casting_mode=DEFAULT_CASTING_MODE,
+    activation="silu",
 ):
     """Returns ``(y, rstd)``: ``y`` like ``x``; ``rstd`` of shape ``x.shape[:-1] + (n_groups,)``, fp32 (fp64
-    for fp64 ``x``). ``z`` (the gate) has ``x``'s shape and any floating dtype; ``group_size`` divides the
-    last dim (None: one group)."""
+    for fp64 ``x``). ``z`` (the gate's input) has ``x``'s shape and any floating dtype; ``group_size`` divides
+    the last dim (None: one group); ``activation`` one of :data:`GATE_ACTIVATIONS`."""
     acc = compute_dtype(x.dtype)
     n_groups, size = gated_groups(x.shape[-1], group_size)
     w = effective_weight(weight, offset, acc)
     if casting_mode == "none":
-        s = torch.nn.functional.silu(z.to(x.dtype))
+        s = gate(z.to(x.dtype), activation)
         h = _grouped(x if norm_before_gate else x * s, n_groups, size)
         rstd = torch.rsqrt(_mean_square(h.to(acc)) + eps).to(x.dtype)
         y = (h * rstd).reshape(x.shape)
@@ -211,7 +224,7 @@ def gated_rms_norm_forward(
         return (y * s if norm_before_gate else y), rstd.squeeze(-1).to(acc)
     if casting_mode not in CASTING_MODES:
         raise ValueError(f"casting_mode must be one of {CASTING_MODES}, got {casting_mode!r}")
-    s = _silu_and_slope(z, acc)[0]
+    s = _gate_and_slope(z, acc, activation)[0]
     h = _grouped(x.to(acc) if norm_before_gate else x.to(acc) * s, n_groups, size)
     rstd = torch.rsqrt(_mean_square(h) + eps)
     y = (h * rstd).reshape(x.shape)
@@ -229,12 +242,12 @@ def gated_rms_norm_forward(
     return y.to(x.dtype), rstd.squeeze(-1)
 
 
-def _gated_backward(x, z, dy, weight, rstd, group_size, norm_before_gate, offset):
+def _gated_backward(x, z, dy, weight, rstd, group_size, norm_before_gate, offset, activation):
     """``(dx, dz, dw)`` in the compute dtype (dw None without a weight), differentiable in every tensor."""
     acc = compute_dtype(x.dtype)
     n_groups, size = gated_groups(x.shape[-1], group_size)
     xf, dyf = x.to(acc), dy.to(acc)
-    s, slope = _silu_and_slope(z, acc)
+    s, slope = _gate_and_slope(z, acc, activation)
     h = xf if norm_before_gate else xf * s
     r = rstd.to(acc).unsqueeze(-1)
     nhat = _grouped(h, n_groups, size) * r  # (..., n_groups, size)
@@ -258,26 +271,35 @@ def _gated_backward(x, z, dy, weight, rstd, group_size, norm_before_gate, offset
 
 
 def gated_rms_norm_backward(
-    x, z, dy, weight, rstd, group_size=None, norm_before_gate=True, offset=0.0, casting_mode=DEFAULT_CASTING_MODE
+    x,
+    z,
+    dy,
+    weight,
+    rstd,
+    group_size=None,
+    norm_before_gate=True,
+    offset=0.0,
+    casting_mode=DEFAULT_CASTING_MODE,
+    activation="silu",
 ):
     """Returns ``(dx, dz, dw)`` for :func:`gated_rms_norm_forward`, each in its input's dtype (``dw`` None
     without a weight): the exact derivative of the fp32 math; ``casting_mode``'s roundings pass gradients
     through (as in :func:`rms_norm_backward`)."""
     del casting_mode
-    dx, dz, dw = _gated_backward(x, z, dy, weight, rstd, group_size, norm_before_gate, offset)
+    dx, dz, dw = _gated_backward(x, z, dy, weight, rstd, group_size, norm_before_gate, offset, activation)
     return dx.to(x.dtype), dz.to(z.dtype), (dw.to(weight.dtype) if dw is not None else None)
 
 
 def gated_rms_norm_backward_differentiable(x, z, dy, weight, rstd, eps, group_size=None, norm_before_gate=True,
-                                           offset=0.0):  # fmt: skip
+                                           offset=0.0, activation="silu"):  # fmt: skip
     """:func:`gated_rms_norm_backward` as a function autograd can differentiate again: ``rstd`` is recomputed
     from ``x`` and ``z`` (its value stays the saved one), as in :func:`rms_norm_backward_differentiable`."""
     acc = compute_dtype(x.dtype)
     n_groups, size = gated_groups(x.shape[-1], group_size)
-    h = x.to(acc) if norm_before_gate else x.to(acc) * _silu_and_slope(z, acc)[0]
+    h = x.to(acc) if norm_before_gate else x.to(acc) * _gate_and_slope(z, acc, activation)[0]
     live = torch.rsqrt(_mean_square(_grouped(h, n_groups, size)) + eps).squeeze(-1)
     r = live + (rstd.to(acc) - live).detach()
-    dx, dz, dw = _gated_backward(x, z, dy, weight, r, group_size, norm_before_gate, offset)
+    dx, dz, dw = _gated_backward(x, z, dy, weight, r, group_size, norm_before_gate, offset, activation)
     return dx.to(x.dtype), dz.to(z.dtype), (dw.to(weight.dtype) if dw is not None else None)
 
 

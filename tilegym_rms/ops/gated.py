@@ -25,37 +25,38 @@ def _gated_module(x, z, backend):
     return module if x.numel() > 0 and hasattr(module, "gated_forward") else None
 
 
-def _gated_forward(x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, backend, store_rstd=True):
+def _gated_forward(x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, activation, backend,
+                   store_rstd=True):  # fmt: skip
     """``(y, rstd)``: ``y`` contiguous like ``x``, ``rstd`` ``x.shape[:-1] + (n_groups,)`` (None unless
     ``store_rstd`` where a kernel runs)."""
     module = _gated_module(x, z, backend)
     if module is None:
         y, rstd = reference.gated_rms_norm_forward(
-            x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode
+            x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, activation
         )
         return y.contiguous(), rstd.contiguous()
     n = x.shape[-1]
     n_groups, size = gated_groups(n, group_size)
     y, rstd = module.gated_forward(
         _rows(x, n), _rows(z, n), _dense_weight(weight), eps, offset, casting_mode,
-        group_size=size, norm_before_gate=norm_before_gate, store_rstd=store_rstd,
+        group_size=size, norm_before_gate=norm_before_gate, activation=activation, store_rstd=store_rstd,
     )  # fmt: skip
     return y.view(x.shape), (rstd.view(*x.shape[:-1], n_groups) if rstd is not None else None)
 
 
-def _gated_backward(x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode, backend):
+def _gated_backward(x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode, activation, backend):
     """``(dx, dz, dw)``, contiguous like ``x`` and ``z``; ``dw`` None without a weight."""
     module = _gated_module(x, z, backend)
     if module is None:
         dx, dz, dw = reference.gated_rms_norm_backward(
-            x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode
+            x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode, activation
         )
         return dx.contiguous(), dz.contiguous(), dw
     n = x.shape[-1]
     n_groups, size = gated_groups(n, group_size)
     dx, dz, dw = module.gated_backward(
         _rows(x, n), _rows(z, n), _rows(dy, n), _dense_weight(weight), rstd.reshape(-1, n_groups), offset,
-        casting_mode, group_size=size, norm_before_gate=norm_before_gate,
+        casting_mode, group_size=size, norm_before_gate=norm_before_gate, activation=activation,
     )  # fmt: skip
     return dx.view(x.shape), dz.view(z.shape), dw
 
@@ -65,24 +66,25 @@ class GatedRMSNormFunction(torch.autograd.Function):
     :class:`~tilegym_rms.ops.RMSNormFunction`: torch math when grad mode is on in the backward)."""
 
     @staticmethod
-    def forward(ctx, x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, backend):
-        y, rstd = _gated_forward(x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, backend)
+    def forward(ctx, x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, activation, backend):
+        config = (group_size, norm_before_gate, offset, casting_mode, activation)
+        y, rstd = _gated_forward(x, z, weight, eps, *config, backend)
         ctx.save_for_backward(x, z, weight, rstd)
-        ctx.config = (group_size, norm_before_gate, offset, casting_mode, backend)
+        ctx.config = (*config, backend)
         ctx.eps = eps
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, z, weight, rstd = ctx.saved_tensors
-        group_size, norm_before_gate, offset = ctx.config[:3]
+        group_size, norm_before_gate, offset, _casting_mode, activation, _backend = ctx.config
         if torch.is_grad_enabled():
             grads = reference.gated_rms_norm_backward_differentiable(
-                x, z, dy, weight, rstd, ctx.eps, group_size, norm_before_gate, offset
+                x, z, dy, weight, rstd, ctx.eps, group_size, norm_before_gate, offset, activation
             )
         else:
             grads = _gated_backward(x, z, dy, weight, rstd, *ctx.config)
-        return *grads, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None
 
 
 @torch.library.custom_op("tilegym_rms::gated_rms_norm_fwd", mutates_args=())
@@ -95,15 +97,16 @@ def _gated_fwd_op(
     norm_before_gate: bool,
     offset: float,
     casting_mode: str,
+    activation: str,
     backend: Optional[str],
     wiring: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     name = resolve_backend(x.device, backend)  # where the op runs, as in rms_norm_fwd
-    return _gated_forward(x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, name)
+    return _gated_forward(x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, activation, name)
 
 
 @_gated_fwd_op.register_fake
-def _(x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, backend, wiring):
+def _(x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, activation, backend, wiring):
     n_groups = gated_groups(x.shape[-1], group_size)[0]
     rstd = x.new_empty((*x.shape[:-1], n_groups), dtype=compute_dtype(x.dtype))
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), rstd
@@ -120,15 +123,17 @@ def _gated_bwd_op(
     norm_before_gate: bool,
     offset: float,
     casting_mode: str,
+    activation: str,
     backend: Optional[str],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     name = resolve_backend(x.device, backend)
-    dx, dz, dw = _gated_backward(x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode, name)
+    config = (group_size, norm_before_gate, offset, casting_mode, activation)
+    dx, dz, dw = _gated_backward(x, z, dy, weight, rstd, *config, name)
     return dx, dz, dw if dw is not None else x.new_empty((0,))  # a custom op cannot return None
 
 
 @_gated_bwd_op.register_fake
-def _(x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode, backend):
+def _(x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode, activation, backend):
     dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty((0,))
     return (
         torch.empty(x.shape, dtype=x.dtype, device=x.device),
@@ -138,15 +143,15 @@ def _(x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode
 
 
 def _gated_op_setup_context(ctx, inputs, output):
-    x, z, weight, _eps, group_size, norm_before_gate, offset, casting_mode, backend, _wiring = inputs
+    x, z, weight, _eps, group_size, norm_before_gate, offset, casting_mode, activation, backend, _wiring = inputs
     ctx.save_for_backward(x, z, weight, output[1])
-    ctx.config = (group_size, norm_before_gate, offset, casting_mode, backend)
+    ctx.config = (group_size, norm_before_gate, offset, casting_mode, activation, backend)
 
 
 def _gated_op_backward(ctx, dy, _drstd):
     x, z, weight, rstd = ctx.saved_tensors
     dx, dz, dw = _gated_bwd_op(x, z, dy, weight, rstd, *ctx.config)
-    return dx, dz, (dw if weight is not None else None), None, None, None, None, None, None, None
+    return dx, dz, (dw if weight is not None else None), None, None, None, None, None, None, None, None
 
 
 _gated_fwd_op.register_autograd(_gated_op_backward, setup_context=_gated_op_setup_context)
@@ -175,10 +180,11 @@ def gated_rms_norm(
     norm_before_gate=True,
     offset=0.0,
     casting_mode=DEFAULT_CASTING_MODE,
+    activation="silu",
     backend=None,
 ):
     """Gated RMSNorm of hybrid linear-attention and state-space models, differentiable in ``x``, ``z`` and
-    ``weight``. With ``s = silu(z)``:
+    ``weight``. With ``s = silu(z)`` (or ``sigmoid(z)``, ``activation="sigmoid"``):
 
     * ``norm_before_gate=True`` (Qwen3-Next, FalconH1): ``y = rms_norm(x) * (offset + weight) * s``;
     * ``norm_before_gate=False`` (Mamba2, Bamba, NemotronH): ``y = rms_norm(x * s) * (offset + weight)``.
@@ -193,15 +199,16 @@ def gated_rms_norm(
         casting_mode: where the roundings fall: ``"llama"`` rounds as Hugging Face's Qwen3-Next and Mamba2
             classes do, ``"torch"`` / ``"gemma"`` as FalconH1's (fp32 throughout); see
             :mod:`tilegym_rms.reference`.
+        activation: the gate, ``"silu"`` or ``"sigmoid"`` (Kimi-Linear, Bailing-hybrid, GLM-5-Next).
 
     Returns:
         ``y``, with the shape and dtype of ``x`` (contiguous). Empty inputs give empty outputs.
     """
     eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
-    _checks.check_gated(x, z, group_size, norm_before_gate)
+    _checks.check_gated(x, z, group_size, norm_before_gate, activation)
     if group_size is not None:
         group_size = int(group_size)
-    args = (x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode)
+    args = (x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, activation)
     if torch.compiler.is_compiling() or (type(x) is not torch.Tensor and _dtensor.is_dtensor(x)):
         _dtensor.register()  # as in rms_norm: the rules must exist before a traced call meets a DTensor
         return _gated_fwd_op(*args, backend, WIRING)[0]

@@ -28,11 +28,12 @@ import triton
 import triton.language as tl
 
 from tilegym_rms.experimental import experimental_kernel
-from tilegym_rms.reference import CASTING_CODES
+from tilegym_rms.reference import CASTING_CODES, GATE_CODES
 
 _CAST_LLAMA = tl.constexpr(CASTING_CODES["llama"])
 _CAST_GEMMA = tl.constexpr(CASTING_CODES["gemma"])
 _CAST_NONE = tl.constexpr(CASTING_CODES["none"])
+_GATE_SIGMOID = tl.constexpr(GATE_CODES["sigmoid"])
 
 
 def _npu_experimental(fn):
@@ -433,8 +434,8 @@ def rms_norm_dw_reduce_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
-# Gated RMSNorm: with s = silu(z), y = rms_norm(x) * w~ * s (NORM_BEFORE_GATE) or y = rms_norm(x * s) * w~,
-# each group of S columns normalized with its own rstd
+# Gated RMSNorm: with s = silu(z) or sigmoid(z) (GATE), y = rms_norm(x) * w~ * s (NORM_BEFORE_GATE) or
+# y = rms_norm(x * s) * w~, each group of S columns normalized with its own rstd
 #
 # Program (p, g) owns group g (columns [g * S, (g + 1) * S), program axis 1) and grid-strides over blocks of
 # BLOCK_M rows along axis 0, so a tile is BLOCK_M rows of one group (BLOCK_N = next_pow2(S)), its weight is
@@ -443,13 +444,25 @@ def rms_norm_dw_reduce_kernel(
 
 
 @triton.jit
-def _gate(z, REF, CASTING: tl.constexpr):
-    """``silu(z)`` as the forward uses it, ``z / (1 + exp(-z))`` as torch writes it (reference._silu_and_slope):
-    fp32, or in mode "none" taken of z in x's dtype and rounded."""
+def _gate_and_slope(z, GATE: tl.constexpr):
+    """The gate and its derivative, fp32 (reference._gate_and_slope): sigmoid, ``1 / (1 + exp(-z))`` and
+    ``s * (1 - s)``; silu as torch writes it, ``z / (1 + exp(-z))``, and ``sigmoid(z) * (1 + z * (1 -
+    sigmoid(z)))``."""
+    e = 1.0 + tl.exp(-z)
+    sig = 1.0 / e
+    if GATE == _GATE_SIGMOID:
+        return sig, sig * (1.0 - sig)
+    return z / e, sig * (1.0 + z * (1.0 - sig))
+
+
+@triton.jit
+def _gate(z, REF, CASTING: tl.constexpr, GATE: tl.constexpr):
+    """The gate as the forward uses it: fp32, or in mode "none" taken of z in x's dtype and rounded."""
     if CASTING == _CAST_NONE:
-        z = _round_to(z, REF)
-        return _round_to(z / (1.0 + tl.exp(-z)), REF)
-    return z / (1.0 + tl.exp(-z))
+        s, _ = _gate_and_slope(_round_to(z, REF), GATE)
+        return _round_to(s, REF)
+    s, _ = _gate_and_slope(z, GATE)
+    return s
 
 
 @_npu_experimental
@@ -457,7 +470,8 @@ def gated_rms_norm_fwd_kernel(
     X, Z, W, Y, RSTD,
     M, N, S, stride_x, stride_z, stride_y, eps, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CASTING: tl.constexpr, HAS_W: tl.constexpr,
-    NORM_BEFORE_GATE: tl.constexpr, STORE_RSTD: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    NORM_BEFORE_GATE: tl.constexpr, GATE: tl.constexpr, STORE_RSTD: tl.constexpr, EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):  # fmt: skip
     """One read of x and z, one write of y (and rstd); the casting mode rounds as the reference's."""
     g = tl.program_id(1)
@@ -468,7 +482,7 @@ def gated_rms_norm_fwd_kernel(
     for task in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
         rows = task * BLOCK_M + tl.arange(0, BLOCK_M)
         rows64 = rows.to(tl.int64)
-        s = _gate(_load_tile(Z + col0, rows64 * stride_z, rows, cols, M, S, EVEN_M, EVEN_N), Y, CASTING)
+        s = _gate(_load_tile(Z + col0, rows64 * stride_z, rows, cols, M, S, EVEN_M, EVEN_N), Y, CASTING, GATE)
         h = _load_tile(X + col0, rows64 * stride_x, rows, cols, M, S, EVEN_M, EVEN_N)
         if not NORM_BEFORE_GATE:
             h = h * s
@@ -491,12 +505,12 @@ def gated_rms_norm_bwd_kernel(
     DY, X, Z, W, RSTD, DX, DZ, DW_PARTIAL,
     M, N, S, stride_dy, stride_x, stride_z, stride_dx, stride_dz, offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    GATE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):  # fmt: skip
     """dx, dz and dw in one pass. With ``n = h * rstd`` and ``dn`` the gradient of ``n * w~`` (``dy * s``
     before the gate, ``dy`` after it): ``dh = rstd * (w~ dn - n * mean(n * w~ dn))``, ``dw += sum_rows dn * n``;
-    before the gate ``dx = dh``, ``dz = dy * n * w~ * silu'(z)``, after it ``dx = dh * s``,
-    ``dz = dh * x * silu'(z)``. Program (p, g) writes its dw share of group g into row p of ``DW_PARTIAL``."""
+    before the gate ``dx = dh``, ``dz = dy * n * w~ * s'(z)``, after it ``dx = dh * s``,
+    ``dz = dh * x * s'(z)``. Program (p, g) writes its dw share of group g into row p of ``DW_PARTIAL``."""
     g = tl.program_id(1)
     groups = N // S
     col0 = g.to(tl.int64) * S
@@ -510,9 +524,7 @@ def gated_rms_norm_bwd_kernel(
         dy = _load_tile(DY + col0, rows64 * stride_dy, rows, cols, M, S, EVEN_M, EVEN_N)
         x = _load_tile(X + col0, rows64 * stride_x, rows, cols, M, S, EVEN_M, EVEN_N)
         z = _load_tile(Z + col0, rows64 * stride_z, rows, cols, M, S, EVEN_M, EVEN_N)
-        sig = tl.sigmoid(z)
-        s = z * sig
-        slope = sig * (1.0 + z * (1.0 - sig))
+        s, slope = _gate_and_slope(z, GATE)
         if NORM_BEFORE_GATE:
             n = x * rstd[:, None]
             dn = dy * s

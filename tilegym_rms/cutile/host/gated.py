@@ -12,7 +12,7 @@ import torch
 
 from ... import reference
 from ...batch_invariance import is_batch_invariant
-from ...reference import CASTING_CODES
+from ...reference import CASTING_CODES, GATE_CODES
 from .. import config
 from . import common
 from .backward import reduce, reduce_launch
@@ -23,14 +23,15 @@ def config_for(tgt: Target, m: int, n: int, group_size: int, dtype: torch.dtype)
     return config.gated_config(m, n, group_size, dtype, tgt.sms, tgt.invariant)
 
 
-def forward_launch(tgt: Target, m, n, group_size, dtype, casting_mode, has_w, norm_before_gate,
-                   store_rstd) -> Launch | None:  # fmt: skip
+def forward_launch(tgt: Target, m, n, group_size, dtype, casting_mode, has_w, norm_before_gate, store_rstd,
+                   activation="silu") -> Launch | None:  # fmt: skip
     """The forward's launch, or None where the torch math runs (see :func:`config_for`)."""
     cfg = config_for(tgt, m, n, group_size, dtype)
     if cfg is None:
         return None
     f = cfg.fwd
-    constants = (f.tile_m, f.tile_g, cfg.tile_s, CASTING_CODES[casting_mode], has_w, norm_before_gate, store_rstd)
+    constants = (f.tile_m, f.tile_g, cfg.tile_s, CASTING_CODES[casting_mode], has_w, norm_before_gate,
+                 GATE_CODES[activation], store_rstd)  # fmt: skip
     return make_launch(common.kernels().gated_rms_norm_fwd, f.grid, constants, f.hints)
 
 
@@ -43,13 +44,14 @@ class GatedBackwardLaunches:
     reduce: Launch | None
 
 
-def backward_launches(tgt: Target, m, n, group_size, dtype, has_w, norm_before_gate) -> GatedBackwardLaunches | None:
+def backward_launches(tgt: Target, m, n, group_size, dtype, has_w, norm_before_gate,
+                      activation="silu") -> GatedBackwardLaunches | None:  # fmt: skip
     """The backward's launches, or None where the torch math runs (see :func:`config_for`)."""
     cfg = config_for(tgt, m, n, group_size, dtype)
     if cfg is None:
         return None
     b = cfg.bwd
-    constants = (b.tile_m, b.tile_g, cfg.tile_s, has_w, norm_before_gate)
+    constants = (b.tile_m, b.tile_g, cfg.tile_s, has_w, norm_before_gate, GATE_CODES[activation])
     main = make_launch(common.kernels().gated_rms_norm_bwd, b.grid, constants, b.hints)
     if not has_w:
         return GatedBackwardLaunches(main, (1, 1), None)
@@ -100,41 +102,42 @@ def start_backward(bl: GatedBackwardLaunches, x, z, dy, weight, rstd, offset, gr
 # Keyed by the batch-invariant mode too (is_batch_invariant(), read at each call), which changes the launches.
 @functools.lru_cache(maxsize=4096)
 def cached_forward(dev: int, m, n, group_size, dtype, casting_mode, has_w, norm_before_gate, store_rstd,
-                   invariant=False) -> Launch | None:  # fmt: skip
-    args = (m, n, group_size, dtype, casting_mode, has_w, norm_before_gate, store_rstd)
+                   activation="silu", invariant=False) -> Launch | None:  # fmt: skip
+    args = (m, n, group_size, dtype, casting_mode, has_w, norm_before_gate, store_rstd, activation)
     return forward_launch(target(dev, invariant), *args)
 
 
 @functools.lru_cache(maxsize=4096)
-def cached_backward(dev: int, m, n, group_size, dtype, has_w, norm_before_gate,
+def cached_backward(dev: int, m, n, group_size, dtype, has_w, norm_before_gate, activation="silu",
                     invariant=False) -> GatedBackwardLaunches | None:  # fmt: skip
-    return backward_launches(target(dev, invariant), m, n, group_size, dtype, has_w, norm_before_gate)
+    return backward_launches(target(dev, invariant), m, n, group_size, dtype, has_w, norm_before_gate, activation)
 
 
 CACHES = (cached_forward, cached_backward)
 
 
-def gated_forward(x, z, weight, eps, offset, casting_mode, *, group_size, norm_before_gate, store_rstd=True):
+def gated_forward(x, z, weight, eps, offset, casting_mode, *, group_size, norm_before_gate, activation="silu",
+                  store_rstd=True):  # fmt: skip
     """``(y, rstd)`` for 2-D rows; see :class:`tilegym_rms.dispatch.GatedBackend`."""
     dev = x.get_device()
     fl = cached_forward(dev, *x.shape, group_size, x.dtype, casting_mode, weight is not None, norm_before_gate,
-                        store_rstd, is_batch_invariant())  # fmt: skip
+                        store_rstd, activation, is_batch_invariant())  # fmt: skip
     if fl is None:
         y, rstd = reference.gated_rms_norm_forward(
-            x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode
+            x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, activation
         )
         return y.contiguous(), rstd
     return start_forward(fl, x, z, weight, eps, offset, group_size, store_rstd, dev, common.launcher())
 
 
-def gated_backward(x, z, dy, weight, rstd, offset, casting_mode, *, group_size, norm_before_gate):
+def gated_backward(x, z, dy, weight, rstd, offset, casting_mode, *, group_size, norm_before_gate, activation="silu"):
     """``(dx, dz, dw)`` for 2-D rows; see :class:`tilegym_rms.dispatch.GatedBackend`."""
     dev = x.get_device()
-    bl = cached_backward(dev, *x.shape, group_size, x.dtype, weight is not None, norm_before_gate,
+    bl = cached_backward(dev, *x.shape, group_size, x.dtype, weight is not None, norm_before_gate, activation,
                          is_batch_invariant())  # fmt: skip
     if bl is None:
         dx, dz, dw = reference.gated_rms_norm_backward(
-            x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode
+            x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode, activation
         )
         return dx.contiguous(), dz.contiguous(), dw
     del casting_mode  # the backward formula is the same for every casting mode

@@ -1,5 +1,6 @@
-"""The gated RMSNorm of hybrid models, forward and backward: with ``s = silu(z)``, ``y = rms_norm(x) * w~ * s``
-(``NORM_BEFORE_GATE``) or ``y = rms_norm(x * s) * w~``, each group of columns normalized with its own rstd.
+"""The gated RMSNorm of hybrid models, forward and backward: with ``s = silu(z)`` or ``sigmoid(z)`` (``GATE``, a
+``reference.GATE_CODES`` value), ``y = rms_norm(x) * w~ * s`` (``NORM_BEFORE_GATE``) or ``y = rms_norm(x * s) * w~``,
+each group of columns normalized with its own rstd.
 
 x, z, y and their gradients arrive as 3-D ``(M, G, S)`` views of the ``(M, N)`` rows (G groups of S
 columns; one group: G = 1, S = N), the weight as ``(G, S)``, rstd as ``(M, G)``. A tile is ``TILE_M`` rows of
@@ -15,6 +16,7 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from ...experimental import experimental_kernel
+from ...reference import GATE_CODES
 from .backward import _dx
 from .common import (
     _F32,
@@ -28,6 +30,8 @@ from .common import (
     _rstd_from_sum_sq,
 )
 
+GATE_SIGMOID = GATE_CODES["sigmoid"]
+
 
 def _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, dtype):
     """``offset + w`` for group chunk ``chunk`` as a ``(1, TILE_G, TILE_S)`` fp32 tile (ones without a weight)."""
@@ -37,19 +41,22 @@ def _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, dtype):
     return ct.full((1, TILE_G, TILE_S), 1.0, dtype=_F32)
 
 
-def _silu_and_slope(zf):
-    """``silu(z)`` and its derivative ``sigmoid(z) * (1 + z * (1 - sigmoid(z)))``, fp32; silu as torch writes it,
-    ``z / (1 + exp(-z))`` (reference._silu_and_slope)."""
+def _gate_and_slope(zf, GATE):
+    """The gate and its derivative, fp32 (reference._gate_and_slope): sigmoid, ``1 / (1 + exp(-z))`` and
+    ``s * (1 - s)``; silu as torch writes it, ``z / (1 + exp(-z))``, and ``sigmoid(z) * (1 + z * (1 -
+    sigmoid(z)))``."""
     e = 1.0 + ct.exp(-zf)
     sig = 1.0 / e
+    if GATE == GATE_SIGMOID:
+        return sig, sig * (1.0 - sig)
     return zf / e, sig * (1.0 + zf * (1.0 - sig))
 
 
-def _gate(zf, CAST, dtype):
-    """``silu(z)`` as the forward uses it: fp32, or in ``none`` mode taken of z in ``dtype`` and rounded."""
+def _gate(zf, CAST, GATE, dtype):
+    """The gate as the forward uses it: fp32, or in ``none`` mode taken of z in ``dtype`` and rounded."""
     if CAST == CAST_NONE:
-        return _round_to(_silu_and_slope(_round_to(zf, dtype))[0], dtype)
-    return _silu_and_slope(zf)[0]
+        return _round_to(_gate_and_slope(_round_to(zf, dtype), GATE)[0], dtype)
+    return _gate_and_slope(zf, GATE)[0]
 
 
 def _gated_input(xf, s, CAST, NORM_BEFORE_GATE, dtype):
@@ -87,6 +94,7 @@ def gated_rms_norm_fwd(
     CAST: ct.Constant[int],
     HAS_W: ct.Constant[bool],
     NORM_BEFORE_GATE: ct.Constant[bool],
+    GATE: ct.Constant[int],
     STORE_RSTD: ct.Constant[bool],
 ):
     """One read of x and z, one write of y (and of rstd with ``STORE_RSTD``; else ``rstd`` is a dummy)."""
@@ -94,7 +102,7 @@ def gated_rms_norm_fwd(
     shape = (TILE_M, TILE_G, TILE_S)
     wt = _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, x.dtype)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
-        s = _gate(_load_f32(z, (t, chunk, 0), shape, 10), CAST, x.dtype)
+        s = _gate(_load_f32(z, (t, chunk, 0), shape, 10), CAST, GATE, x.dtype)
         h = _gated_input(_load_f32(x, (t, chunk, 0), shape, 10), s, CAST, NORM_BEFORE_GATE, x.dtype)
         r = _rstd_from_sum_sq(ct.sum(h * h, axis=2, keepdims=True), x.shape[2], eps, CAST, x.dtype)
         out = _gated_output(h, r, wt, s, CAST, NORM_BEFORE_GATE, y.dtype)
@@ -120,11 +128,12 @@ def gated_rms_norm_bwd(
     TILE_S: ct.Constant[int],
     HAS_W: ct.Constant[bool],
     NORM_BEFORE_GATE: ct.Constant[bool],
+    GATE: ct.Constant[int],
 ):
     """dx, dz and the block's dw share in one pass over x, z and dy. With ``n = h * rstd`` the normalized
     values and ``dn`` the gradient of ``n * w~`` (``dy * s`` before the gate, ``dy`` after it):
     ``dh = rstd * (w~ dn - n * mean(n * w~ dn))`` per group, ``dw += sum_rows dn * n``; before the gate
-    ``dx = dh``, ``dz = dy * n * w~ * silu'(z)``, after it ``dx = dh * s``, ``dz = dh * x * silu'(z)``. dw
+    ``dx = dh``, ``dz = dy * n * w~ * s'(z)``, after it ``dx = dh * s``, ``dz = dh * x * s'(z)``. dw
     goes to row ``bid(0)`` of ``dw_partial`` (a ``(grid, G, S)`` view of ``(grid, N)``), which
     ``rms_norm_dw_reduce`` sums in a fixed order (deterministic)."""
     chunk = ct.bid(1)
@@ -135,7 +144,7 @@ def gated_rms_norm_bwd(
         r = ct.reshape(ct.load(rstd, (t, chunk), (TILE_M, TILE_G), padding_mode=_ZERO), (TILE_M, TILE_G, 1))
         xf = _load_f32(x, (t, chunk, 0), shape, 10)
         dyf = _load_f32(dy, (t, chunk, 0), shape, 10)
-        s, slope = _silu_and_slope(_load_f32(z, (t, chunk, 0), shape, 10))
+        s, slope = _gate_and_slope(_load_f32(z, (t, chunk, 0), shape, 10), GATE)
         n = (xf if NORM_BEFORE_GATE else xf * s) * r
         dn = dyf * s if NORM_BEFORE_GATE else dyf
         if HAS_W:

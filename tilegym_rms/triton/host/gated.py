@@ -8,7 +8,7 @@ import torch
 
 from tilegym_rms import reference
 from tilegym_rms.batch_invariance import is_batch_invariant
-from tilegym_rms.reference import CASTING_CODES
+from tilegym_rms.reference import CASTING_CODES, GATE_CODES
 from tilegym_rms.triton import config
 from tilegym_rms.triton import launch as _launch
 from tilegym_rms.triton.host.backward import reduce_dw
@@ -28,24 +28,26 @@ def _grid(tiles: config.Tiling, groups: int, device) -> tuple[int, int]:
     return max(1, min(tiles.num_tasks, config.cdiv(config.num_programs(device), groups))), groups
 
 
-def _flags(tiles: config.Tiling, has_w: bool, norm_before_gate: bool) -> dict:
+def _flags(tiles: config.Tiling, has_w: bool, norm_before_gate: bool, activation: str) -> dict:
     return {
         "BLOCK_M": tiles.block_m,
         "BLOCK_N": tiles.block_n,
         "HAS_W": has_w,
         "NORM_BEFORE_GATE": norm_before_gate,
+        "GATE": GATE_CODES[activation],
         "EVEN_M": tiles.even_m,
         "EVEN_N": tiles.even_n,
     }
 
 
-def gated_forward(x, z, weight, eps, offset, casting_mode, *, group_size, norm_before_gate, store_rstd=True):
+def gated_forward(x, z, weight, eps, offset, casting_mode, *, group_size, norm_before_gate, activation="silu",
+                  store_rstd=True):  # fmt: skip
     """``(y, rstd)`` for 2-D rows; see :class:`tilegym_rms.dispatch.GatedBackend`."""
     M, N = x.shape
     tiles = _tiles(M, group_size, x.dtype, "gated_forward")
     if tiles is None:
         y, rstd = reference.gated_rms_norm_forward(
-            x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode
+            x, z, weight, eps, group_size, norm_before_gate, offset, casting_mode, activation
         )
         return y.contiguous(), rstd
     groups = N // group_size
@@ -59,18 +61,18 @@ def gated_forward(x, z, weight, eps, offset, casting_mode, *, group_size, norm_b
         *args,
         CASTING=CASTING_CODES[casting_mode],
         STORE_RSTD=store_rstd,
-        **_flags(tiles, weight is not None, norm_before_gate),
+        **_flags(tiles, weight is not None, norm_before_gate, activation),
     )
     return y, rstd
 
 
-def gated_backward(x, z, dy, weight, rstd, offset, casting_mode, *, group_size, norm_before_gate):
+def gated_backward(x, z, dy, weight, rstd, offset, casting_mode, *, group_size, norm_before_gate, activation="silu"):
     """``(dx, dz, dw)`` for 2-D rows; see :class:`tilegym_rms.dispatch.GatedBackend`."""
     M, N = x.shape
     tiles = _tiles(M, group_size, x.dtype, "gated_backward")
     if tiles is None:
         dx, dz, dw = reference.gated_rms_norm_backward(
-            x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode
+            x, z, dy, weight, rstd, group_size, norm_before_gate, offset, casting_mode, activation
         )
         return dx.contiguous(), dz.contiguous(), dw
     grid = _grid(tiles, N // group_size, x.device)
@@ -81,5 +83,6 @@ def gated_backward(x, z, dy, weight, rstd, offset, casting_mode, *, group_size, 
     partial = torch.empty((grid[0], N), dtype=torch.float32, device=x.device) if has_w else dx
     args = (dy, x, z, weight if has_w else x, rstd.contiguous(), dx, dz, partial, M, N, group_size,
             dy.stride(0), x.stride(0), z.stride(0), dx.stride(0), dz.stride(0), float(offset))  # fmt: skip
-    _launch.launch(load_kernels().gated_rms_norm_bwd_kernel, grid, *args, **_flags(tiles, has_w, norm_before_gate))
+    flags = _flags(tiles, has_w, norm_before_gate, activation)
+    _launch.launch(load_kernels().gated_rms_norm_bwd_kernel, grid, *args, **flags)
     return dx, dz, (reduce_dw(partial, weight) if has_w else None)
