@@ -31,9 +31,6 @@ from tilegym_rms.integrations.hf import (  # noqa: E402
 # warning gives; any other must be swapped.
 LEFT_ALONE = {
     "AXK2GatedRMSNorm": "submodules",  # an MLP computes its gate from the norm; its inner RMSNorm is swapped
-    "BailingHybridRMSNormGated": "sigmoid",
-    "Glm5NextTextRMSNormGated": "sigmoid",
-    "KimiLinearRMSNormGated": "sigmoid",
     "HYV4UnweightedRMSNorm": "no formula",  # returns the rstd itself
     "HYV4VLUnweightedRMSNorm": "no formula",
     "IdeficsRMSNorm": "no formula",  # T5's: rounds to a 16-bit weight's dtype, not the input's
@@ -65,6 +62,10 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def entries():
     return catalog.catalog()
+
+
+def hf_class(model, name):
+    return getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
 
 
 def prepared(module, w_dtype):
@@ -233,22 +234,36 @@ def test_patch_transformers_on_a_class_recognised_by_behaviour():
     assert torch.equal(got, want)
 
 
+def test_the_sigmoid_gated_classes_are_recognised(entries):
+    """Kimi-Linear's, Bailing-hybrid's and GLM-5-Next's gated norms: fp32 throughout (olmo2), one group, the
+    sigmoid gate after the norm; the bits above cannot tell a sigmoid gate from a silu one that happens to agree,
+    so the match is named."""
+    for name in ("KimiLinearRMSNormGated", "BailingHybridRMSNormGated", "Glm5NextTextRMSNormGated"):
+        (cls,) = {e.cls for e in entries if e.cls.__name__ == name}
+        match = recognize.match_module(catalog.build(cls, {}))
+        assert (match.kind.name, match.group_size, match.norm_before_gate, match.activation) == (
+            "olmo2",
+            None,
+            True,
+            "sigmoid",
+        ), name
+    qwen = recognize.match_module(catalog.build(hf_class("qwen3_next", "Qwen3NextRMSNormGated"), {}))
+    assert qwen.activation == "silu"
+
+
 def test_left_alone_modules_are_named_once_with_reasons():
-    """A model holding several unsupported norms gets one warning naming each class with its reason."""
-    bailing = importlib.import_module("transformers.models.bailing_hybrid.modeling_bailing_hybrid")
+    """A model holding several unsupported norms gets one warning naming each class with its reason: a gate of
+    another activation than silu and sigmoid is one."""
     hy = importlib.import_module("transformers.models.hy_v4.modeling_hy_v4")
-    model = torch.nn.ModuleDict(
-        {
-            "a": bailing.BailingHybridRMSNormGated(64),
-            "b": bailing.BailingHybridRMSNormGated(64),
-            "c": hy.HYV4UnweightedRMSNorm(),
-        }
-    )
+    cls = hf_class("bailing_hybrid", "BailingHybridRMSNormGated")
+    model = torch.nn.ModuleDict({"a": cls(64), "b": cls(64), "c": hy.HYV4UnweightedRMSNorm()})
+    for name in ("a", "b"):
+        model[name].activation = "gelu"  # a setting its forward reads: ACT2FN["gelu"]
     with pytest.warns(UserWarning) as record:
         assert apply_to_model(model) == 0
     assert len(record) == 1
     message = str(record[0].message)
-    assert "BailingHybridRMSNormGated (its gate is sigmoid; gated_rms_norm gates with silu)" in message
+    assert "BailingHybridRMSNormGated (its gate is gelu; gated_rms_norm gates with silu or sigmoid)" in message
     assert "HYV4UnweightedRMSNorm (it computes no formula this integration knows)" in message
 
 
@@ -256,14 +271,14 @@ GATED_AND_GROUPED = [
     ("qwen3_next", "Qwen3NextRMSNormGated", {}, torch.float32),  # a wider weight: HF's product stays in torch
     ("mamba2", "MambaRMSNormGated", {"group_size": 16}, torch.bfloat16),
     ("falcon_h1", "FalconH1RMSNormGated", {"n_groups": 4, "norm_before_gate": False}, torch.bfloat16),
+    ("kimi_linear", "KimiLinearRMSNormGated", {}, torch.float32),  # the sigmoid gate
     ("qwen4_exp", "Qwen4ExpTextRMSNorm", {"group_size": 16}, torch.bfloat16),  # groups, no gate
 ]
 
 
 @pytest.mark.parametrize("model,name,settings,w_dtype", GATED_AND_GROUPED)
 def test_swapped_gated_and_grouped_norms_compile_fullgraph_with_hf_bits(model, name, settings, w_dtype):
-    cls = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
-    hf_module = prepared(cls(64, **settings), w_dtype)
+    hf_module = prepared(hf_class(model, name)(64, **settings), w_dtype)
     ours = swapped(hf_module, backend="torch")
     gated = isinstance(ours, TilegymHFGatedRMSNorm)
     tensors = inputs(hf_module, torch.bfloat16, gated)
@@ -272,7 +287,7 @@ def test_swapped_gated_and_grouped_norms_compile_fullgraph_with_hf_bits(model, n
         compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
         with torch.no_grad():
             assert torch.equal(compiled(*tensors), hf_module(*tensors))
-            if gated and model != "qwen3_next":  # without the gate (Qwen3-Next's forward needs it)
+            if gated and model not in ("qwen3_next", "kimi_linear"):  # without the gate (their forward needs it)
                 assert torch.equal(compiled(tensors[0]), hf_module(tensors[0]))
     finally:
         torch._dynamo.reset()

@@ -91,7 +91,8 @@ def describe(module) -> str:
         return f"left alone: {why_left_alone(module)}"
     what = f"swapped: {match.kind.name}" + ("" if match.weighted else ", no weight")
     if match.norm_before_gate is not None:
-        what += ", gated (" + ("norm, then gate" if match.norm_before_gate else "gate, then norm") + ")"
+        order = "norm, then gate" if match.norm_before_gate else "gate, then norm"
+        what += f", {match.activation}-gated ({order})"
     if match.group_size is not None:
         what += f", group_size={match.group_size}"
     return what

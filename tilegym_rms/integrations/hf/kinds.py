@@ -31,9 +31,10 @@ activations, as under autocast or with an fp32 master copy), the kernel normaliz
 multiply in the promoted dtype, exactly HF's expression. The gemma and olmo2 kinds always return the
 input dtype, as HF does, whatever the weight dtype.
 
-Gated norms (Qwen3-Next, Mamba2, FalconH1 and their copies; ``forward(hidden_states, gate=None)``) are a kind
-for the roundings (llama: the normalized value rounded, then times the weight, as Qwen3-Next and Mamba2; olmo2:
-fp32 throughout, as FalconH1), the silu gate before or after the norm and a group size, computed by
+Gated norms (Qwen3-Next, Mamba2, FalconH1, Kimi-Linear, Bailing-hybrid, GLM-5-Next and their copies;
+``forward(hidden_states, gate=None)``) are a kind for the roundings (llama: the normalized value rounded, then
+times the weight, as Qwen3-Next and Mamba2; olmo2: fp32 throughout, as FalconH1 and the sigmoid-gated ones), the
+gate's activation (silu, or sigmoid) before or after the norm and a group size, computed by
 :func:`hf_gated_rms_norm` through :func:`tilegym_rms.gated_rms_norm`. Without a gate they compute the class's plain
 norm (per group).
 
@@ -48,6 +49,7 @@ import dataclasses
 
 import torch
 
+from ... import reference
 from ...ops import gated_rms_norm, rms_norm
 
 
@@ -109,13 +111,14 @@ def _group_norm(x, eps, group_size, casting_mode, backend, norm):
     return norm(groups, None, eps, casting_mode=casting_mode, backend=backend).reshape(x.shape)
 
 
-def _weight_after_group_norm(x, gate, weight, eps, kind: NormKind, group_size, backend, norm):
+def _weight_after_group_norm(x, gate, weight, eps, kind: NormKind, group_size, backend, norm, activation="silu"):
     """The norm of each group without weight, then HF's own expression for the weight (and, with ``gate``, the
-    silu gate after a rounded norm times the weight): the kernels take a weight of one group's width only."""
+    gate of ``activation`` after a rounded norm times the weight): the kernels take a weight of one group's width
+    only."""
     if kind.casting_mode in ("llama", "none"):
         y = _group_norm(x, eps, group_size, kind.casting_mode, backend, norm)
         y = y if weight is None else weight * y
-        return y if gate is None else (y * torch.nn.functional.silu(gate.float())).to(x.dtype)
+        return y if gate is None else (y * reference.gate(gate.float(), activation)).to(x.dtype)
     # fp32 throughout: the fp32 norm times offset + w in fp32 (in the weight's dtype for the centered kind),
     # rounded once.
     y = _group_norm(x.float(), eps, group_size, kind.casting_mode, backend, norm)
@@ -129,10 +132,12 @@ def _weight_after_group_norm(x, gate, weight, eps, kind: NormKind, group_size, b
 
 
 def hf_gated_rms_norm(
-    x, gate, weight, eps, kind: NormKind, backend, *, norm_before_gate, group_size=None, norm=None, gated_norm=None
-):
-    """What an HF gated norm of ``kind`` computes (``gate`` None: its plain norm), the silu gate before or after
-    the norm, over groups of ``group_size`` columns (None: the row), through :func:`tilegym_rms.gated_rms_norm`
+    x, gate, weight, eps, kind: NormKind, backend, *, norm_before_gate, group_size=None, activation="silu", norm=None,
+    gated_norm=None,
+):  # fmt: skip
+    """What an HF gated norm of ``kind`` computes (``gate`` None: its plain norm), the gate of ``activation``
+    (``"silu"`` or ``"sigmoid"``) before or after the norm, over groups of ``group_size`` columns (None: the
+    row), through :func:`tilegym_rms.gated_rms_norm`
     (``gated_norm``) and :func:`tilegym_rms.rms_norm` (``norm``); recognition passes their
     :mod:`tilegym_rms.reference` twins."""
     norm = rms_norm if norm is None else norm
@@ -141,10 +146,10 @@ def hf_gated_rms_norm(
         return hf_rms_norm(x, weight, eps, kind, backend, norm, group_size=group_size)
     promoted = weight is not None and kind.weight_promotes and torch.promote_types(weight.dtype, x.dtype) != x.dtype
     if promoted and norm_before_gate:
-        return _weight_after_group_norm(x, gate, weight, eps, kind, group_size, backend, norm)
+        return _weight_after_group_norm(x, gate, weight, eps, kind, group_size, backend, norm, activation)
     y = gated_norm(
         x, gate, None if promoted else weight, eps, group_size=group_size, norm_before_gate=norm_before_gate,
-        casting_mode=kind.casting_mode, backend=backend,
+        casting_mode=kind.casting_mode, activation=activation, backend=backend,
     )  # fmt: skip
     # A wider weight multiplies HF's rounded norm in the promoted dtype, the last step when the gate comes first.
     return weight * y if promoted else y

@@ -12,8 +12,8 @@ By behaviour (``match_copies=True``), for code that matches no reference (Llama4
 the weightless and the gated norms): a blank instance of the class gets the module's own settings (its plain
 attributes: eps, ``with_scale``, ``group_size``, ``norm_before_gate``, ...) and a probe weight, runs its
 forward on inputs whose roundings tell the formulas apart, and takes the first formula of :data:`KINDS`
-(over the row or the groups its settings give; for a forward that takes a gate, with the silu gate before or
-after the norm) that gives the same bits and dtype on :mod:`tilegym_rms.reference` for 16-bit and fp32
+(over the row or the groups its settings give; for a forward that takes a gate, with a silu or sigmoid gate
+before or after the norm) that gives the same bits and dtype on :mod:`tilegym_rms.reference` for 16-bit and fp32
 inputs and weights. A module whose forward reads anything else (a submodule, a tensor other than its
 weight, a setting the probe lacks) fails the probe and is left alone; so does one holding state a
 replacement would drop (:func:`why_not_plain`).
@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import itertools
 import numbers
 
 import torch
@@ -102,13 +103,14 @@ def _code_key(code):
 @dataclasses.dataclass(frozen=True)
 class Match:
     """What a module computes: ``kind`` (its ``eps_attr`` names where the module keeps eps), with or without
-    its weight, over groups of ``group_size`` columns (None: the row), and for a gated norm where its silu gate
-    applies (``norm_before_gate`` None for a plain norm)."""
+    its weight, over groups of ``group_size`` columns (None: the row), and for a gated norm where its gate
+    applies (``norm_before_gate`` None for a plain norm) and its ``activation``."""
 
     kind: NormKind
     weighted: bool
     group_size: int | None = None
     norm_before_gate: bool | None = None
+    activation: str = "silu"
 
 
 # Where HF modules keep eps; the probe finds which one a forward reads.
@@ -141,10 +143,11 @@ def _reference_norm(x, weight, eps, *, offset=0.0, casting_mode, backend):
     return reference.rms_norm_forward(x, weight, eps, offset, casting_mode)[0]
 
 
-def _reference_gated_norm(x, z, weight, eps, *, group_size, norm_before_gate, casting_mode, backend):
+def _reference_gated_norm(x, z, weight, eps, *, group_size, norm_before_gate, casting_mode, activation, backend):
     """:func:`tilegym_rms.gated_rms_norm`'s signature, on :mod:`tilegym_rms.reference`."""
     del backend
-    return reference.gated_rms_norm_forward(x, z, weight, eps, group_size, norm_before_gate, 0.0, casting_mode)[0]
+    args = (group_size, norm_before_gate, 0.0, casting_mode, activation)
+    return reference.gated_rms_norm_forward(x, z, weight, eps, *args)[0]
 
 
 def _probe_tensors(n: int):
@@ -270,13 +273,13 @@ def _first_match(cases, gated: bool, attrs: dict, n: int) -> Match | None:
                 continue
             if kind.offset != 0 or kind.casting_mode not in ("llama", "gemma"):
                 break  # HF's gated norms: Qwen3-Next's and Mamba2's roundings (llama), FalconH1's (fp32)
-            for before in (True, False):
+            for activation, before in itertools.product(reference.GATE_ACTIVATIONS, (True, False)):
                 formula = functools.partial(
                     hf_gated_rms_norm, kind=kind, backend=None, norm_before_gate=before, group_size=size,
-                    gated_norm=_reference_gated_norm, **norms,
+                    activation=activation, gated_norm=_reference_gated_norm, **norms,
                 )  # fmt: skip
                 if all(_same(got, formula(x, g, w, _PROBE_EPS)) for x, g, w, got in cases):
-                    return Match(kind, True, size, before)
+                    return Match(kind, True, size, before, activation)
     return None
 
 
@@ -358,8 +361,8 @@ def why_left_alone(module) -> str:
     if reason is not None:
         return reason
     activation = getattr(module, "activation", None)
-    if isinstance(activation, str) and activation != "silu":
-        return f"its gate is {activation}; gated_rms_norm gates with silu"
+    if isinstance(activation, str) and activation not in reference.GATE_ACTIVATIONS:
+        return f"its gate is {activation}; gated_rms_norm gates with {' or '.join(reference.GATE_ACTIVATIONS)}"
     return "it computes no formula this integration knows"
 
 

@@ -16,6 +16,7 @@ import warnings
 
 import torch
 
+from ... import _checks
 from ...module import RMSNorm as _TilegymRMSNorm
 from .kinds import KINDS, KINDS_BY_NAME, hf_gated_rms_norm, hf_rms_norm
 from .recognize import Match, match_module, require_transformers, why_left_alone
@@ -82,26 +83,29 @@ class TilegymHFRMSNorm(torch.nn.Module):
 
 
 class TilegymHFGatedRMSNorm(TilegymHFRMSNorm):
-    """An HF gated RMSNorm (Qwen3-Next, Mamba2, FalconH1, ...) on :func:`tilegym_rms.gated_rms_norm`:
-    ``forward(hidden_states, gate=None)``, the silu gate after the norm (``norm_before_gate``) or before it;
-    without a gate, the class's plain norm. ``kind`` gives the roundings (``"llama"``: Qwen3-Next's and
-    Mamba2's; ``"olmo2"``: FalconH1's, fp32 throughout)."""
+    """An HF gated RMSNorm (Qwen3-Next, Mamba2, FalconH1, Kimi-Linear, ...) on :func:`tilegym_rms.gated_rms_norm`:
+    ``forward(hidden_states, gate=None)``, the gate of ``activation`` (``"silu"``, or ``"sigmoid"`` as
+    Kimi-Linear's, Bailing-hybrid's and GLM-5-Next's) after the norm (``norm_before_gate``) or before it; without
+    a gate, the class's plain norm. ``kind`` gives the roundings (``"llama"``: Qwen3-Next's and Mamba2's;
+    ``"olmo2"``: FalconH1's and the sigmoid-gated ones', fp32 throughout)."""
 
     def __init__(self, weight, eps: float, kind: str, *, norm_before_gate: bool, group_size=None, backend=None,
-                 source=None):  # fmt: skip
+                 source=None, activation="silu"):  # fmt: skip
         if weight is None:
             raise ValueError("a gated norm needs its weight")
+        _checks.check_activation(activation)
         super().__init__(weight, eps, kind, backend, source, group_size=group_size)
         self.norm_before_gate = bool(norm_before_gate)
+        self.activation = activation
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         return hf_gated_rms_norm(
             hidden_states, gate, self.weight, self.eps, KINDS_BY_NAME[self.kind], self.backend,
-            norm_before_gate=self.norm_before_gate, group_size=self.group_size,
+            norm_before_gate=self.norm_before_gate, group_size=self.group_size, activation=self.activation,
         )  # fmt: skip
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, norm_before_gate={self.norm_before_gate}"
+        return f"{super().extra_repr()}, norm_before_gate={self.norm_before_gate}, activation={self.activation!r}"
 
 
 # Module state that belongs to whoever registered it, not to the computation: handed to the new module
@@ -178,7 +182,7 @@ def replacement(module, match: Match, backend=None):
     else:
         new = TilegymHFGatedRMSNorm(
             weight, eps, match.kind.name, norm_before_gate=match.norm_before_gate, group_size=match.group_size,
-            backend=backend, source=source,
+            backend=backend, source=source, activation=match.activation,
         )  # fmt: skip
     new.train(module.training)
     _move_hooks(module, new)
