@@ -172,13 +172,13 @@ _PROBE_DTYPES = (
     (torch.float32, torch.bfloat16),
 )
 _WEIGHTLESS_DTYPES = ((torch.bfloat16, None), (torch.float16, None), (torch.float32, None))
-# Gated: 16-bit inputs only. tilegym_rms takes silu(z) as z * sigmoid(z), torch's silu as z / (1 + exp(-z)):
-# they differ in the last bit of fp32, which a 16-bit output rounds away (an fp32 one keeps it).
+# Gated: (x dtype, gate dtype), fp32 included: the reference takes silu and sigmoid as torch writes them.
 _GATED_DTYPES = (
     (torch.bfloat16, torch.bfloat16),
     (torch.bfloat16, torch.float32),
     (torch.float16, torch.bfloat16),
     (torch.float16, torch.float16),
+    (torch.float32, torch.float32),
 )
 
 
