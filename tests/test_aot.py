@@ -84,11 +84,13 @@ def test_table_winners_are_compiled_for_their_own_arch_only():
     table_archs = {aot.table_arch(tuning.packaged(key).doc) for key in tuning.packaged_keys()}
     assert table_archs == {"sm_90"}  # the shipped H100 table
     winners = set(aot.table_variants("sm_90"))
-    heuristic = set(aot.variants("sm_80"))
+    heuristic = set(aot.variants("sm_100"))
     assert winners - heuristic, "the H100 table launches variants the heuristics never do"
     assert set(aot.variants("sm_90")) == heuristic | winners
+    no_fp8 = {v for v in heuristic if v.kernel_name != aot.FP8_KERNEL}  # sm_80 has no fp8 types
     for arch in set(aot.ARCHS) - table_archs:
-        assert aot.table_variants(arch) == [] and set(aot.variants(arch)) == heuristic, arch
+        assert aot.table_variants(arch) == [], arch
+        assert set(aot.variants(arch)) == (heuristic if aot.fp8_arch(arch) else no_fp8), arch
 
 
 def test_the_shipped_tables_measured_winners_are_those_of_their_sweeps_tables(monkeypatch):
@@ -280,3 +282,11 @@ def test_the_hosts_launches_under_measured_fused_and_qk_winners_are_compiled(mon
     monkeypatch.setattr(tuning, "packaged_keys", lambda: [table.key])
     monkeypatch.setattr(tuning, "packaged", lambda key: table if key == table.key else None)
     _check_hosts_launches(monkeypatch, require_every_op=True)
+
+
+def test_the_fp8_kernel_is_compiled_only_for_archs_with_fp8_types():
+    """tileiras refuses float8 on sm_80: the compile check leaves the FP8 kernel out there (the host quantizes
+    after the norm on such cards) and keeps it for sm_90 and newer."""
+    for arch in aot.ARCHS:
+        has_fp8 = any(v.kernel_name == aot.FP8_KERNEL for v in aot.variants(arch))
+        assert has_fp8 == (arch != "sm_80"), arch

@@ -283,3 +283,25 @@ def test_errors(kw, error, message):
 def test_fused_add_residual_must_match_x():
     with pytest.raises(ValueError, match="residual must have the shape of x"):
         tilegym_rms.fused_add_rms_norm_fp8(torch.randn(2, 128), torch.randn(2, 64), None)
+
+
+def test_a_device_without_fp8_types_quantizes_after_the_norm(monkeypatch):
+    """The one-pass kernel runs only where the backend says it can (cuTile: compute capability 8.9 and up);
+    elsewhere the backend's norm runs, then the reference's quantization, with the same results."""
+    from tilegym_rms import _torch_backend, cutile
+
+    assert [cutile.fp8_cc_supported(cc) for cc in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))] == [
+        False, False, True, True, True, True,
+    ]  # fmt: skip
+    x, w = torch.randn(4, 256), torch.randn(256)
+    stub = (torch.zeros(4, 256, dtype=E4M3), torch.ones(4, 1))  # what a one-pass kernel would have returned
+    calls = []
+    monkeypatch.setattr(_torch_backend, "FP8_MAX_N", 1 << 14, raising=False)
+    monkeypatch.setattr(_torch_backend, "fp8_forward", lambda *a, **k: calls.append(a) or stub, raising=False)
+    want = reference.rms_norm_fp8_reference(x, w, 1e-6)[:2]
+    monkeypatch.setattr(_torch_backend, "fp8_runs_on", lambda device: False, raising=False)
+    y_q, scales = tilegym_rms.rms_norm_fp8(x, w, 1e-6, backend="torch")
+    assert not calls and torch.equal(scales, want[1]) and torch.equal(y_q.view(torch.uint8), want[0].view(torch.uint8))
+    monkeypatch.setattr(_torch_backend, "fp8_runs_on", lambda device: True, raising=False)
+    y_q, scales = tilegym_rms.rms_norm_fp8(x, w, 1e-6, backend="torch")
+    assert len(calls) == 1 and torch.equal(scales, stub[1])

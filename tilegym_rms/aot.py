@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cutile import _toolchain_status, config
+from .cutile import _toolchain_status, config, fp8_cc_supported
 from .cutile.host import backward as bwd
 from .cutile.host import forward as fwd
 from .cutile.host import fp8, gated, qk
@@ -184,10 +184,22 @@ def fused_add_variants_for(
 
 def variants(arch: str | None = None) -> list[Variant]:
     """The distinct kernel variants reachable from the dispatcher over the representative grid, plus the
-    measured winners of the tuning tables for ``arch`` (None: of every table)."""
+    measured winners of the tuning tables for ``arch`` (None: of every table). An arch without fp8 types
+    (``cutile.FP8_MIN_CC``) gets no FP8 kernel: the host quantizes after the norm there."""
     found = dict.fromkeys(_heuristic_variants())
     found.update(dict.fromkeys(table_variants(arch)))
+    if arch is not None and not fp8_arch(arch):
+        return [v for v in found if v.kernel_name != FP8_KERNEL]
     return list(found)
+
+
+FP8_KERNEL = "rms_norm_fp8_fwd"
+
+
+def fp8_arch(arch: str) -> bool:
+    """Whether ``arch`` (``sm_90``) has the fp8 types the FP8 kernel stores."""
+    digits = arch.removeprefix("sm_")
+    return fp8_cc_supported((int(digits[:-1]), int(digits[-1])))
 
 
 def _heuristic_variants() -> list[Variant]:

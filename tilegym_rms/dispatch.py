@@ -115,6 +115,9 @@ class FP8Backend(Protocol):
 
     FP8_MAX_N: int  # the widest row it takes; wider rows take the unfused path
 
+    def fp8_runs_on(self, device) -> bool:
+        """Whether the one-pass kernel runs on ``device`` (else the unfused path)."""
+
     def fp8_forward(self, x, residual, weight, eps: float, offset: float, casting_mode: str, *, out_dtype, scale,
                     group_size, scale_ub, use_ue8m0):  # fmt: skip
         """``(y_q, scales)`` of :func:`tilegym_rms.reference.rms_norm_fp8_reference` for a 2-D ``x`` (and ``residual``

@@ -55,6 +55,25 @@ def cc_supported(cc: tuple[int, int]) -> bool:
     return cc[0] in SUPPORTED_CC_MAJORS or tuple(cc) in SUPPORTED_CC_EXACT
 
 
+# The first compute capability with fp8 types: tileiras refuses float8 on sm_80 ("float8_e4m3fn is not supported
+# on sm_80"), so Ampere cards quantize after the norm (ops/fp8.py's unfused path).
+FP8_MIN_CC = (8, 9)
+
+
+def fp8_cc_supported(cc: tuple[int, int]) -> bool:
+    return tuple(cc) >= FP8_MIN_CC
+
+
+def fp8_runs_on(device: torch.device) -> bool:
+    """Whether the one-pass FP8 kernel compiles for ``device`` (:data:`FP8_MIN_CC`)."""
+    return _fp8_device_ok(_device_index(device))
+
+
+@functools.cache
+def _fp8_device_ok(device_index: int) -> bool:  # once per device: a call's host time is its latency at small M
+    return fp8_cc_supported(torch.cuda.get_device_capability(device_index))
+
+
 @functools.cache
 def _device_status(device_index: int) -> tuple[bool, str]:
     cc = torch.cuda.get_device_capability(device_index)
@@ -91,7 +110,9 @@ __all__ = [
     "clear_caches",
     "forward",
     "forward_config",
+    "fp8_cc_supported",
     "fp8_forward",
+    "fp8_runs_on",
     "fused_add_backward",
     "fused_add_forward",
     "gated_backward",

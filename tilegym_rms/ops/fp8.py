@@ -33,6 +33,7 @@ def _fp8_forward(x, residual, weight, eps, offset, casting_mode, out_dtype, scal
         fused is None
         or x.numel() == 0
         or n > module.FP8_MAX_N
+        or not module.fp8_runs_on(x.device)
         or (residual is not None and residual.dtype != x.dtype and not module.FUSED_ADD_MIXED_DTYPES)
     ):
         if residual is None:
