@@ -108,7 +108,7 @@ def hf_forward(x, z, w, norm_before_gate, eps, classes):
 
 def discover(names, device, eps, tilegym_rms=None, tilegym_rms_error=""):
     """The requested gated providers that can run on ``device``, and a reason for each skipped one."""
-    from bench.common.providers import Provider, _tilegym_rms_availability, configure_compile
+    from bench.common.providers import Provider, _backend_unavailable, _tilegym_rms_availability, configure_compile
 
     found, skipped = [], {}
     avail, tilegym_rms, tilegym_rms_error = _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error)
@@ -116,12 +116,11 @@ def discover(names, device, eps, tilegym_rms=None, tilegym_rms_error=""):
         try:
             if name.startswith("tilegym_rms-"):
                 backend = name.split("-", 1)[1]
-                if tilegym_rms is None:
-                    skipped[name] = f"tilegym_rms not importable ({tilegym_rms_error})"
-                elif backend == "unfused":
+                why = _backend_unavailable(backend, avail, tilegym_rms, tilegym_rms_error)
+                if backend == "unfused" and tilegym_rms is not None:  # the package's default backend
                     found.append(Provider(name, functools.partial(unfused, tilegym_rms, eps=eps)))
-                elif not avail.get(backend, (False,))[0]:
-                    skipped[name] = avail.get(backend, (False, "not reported by available_backends"))[1]
+                elif why:
+                    skipped[name] = why
                 else:
                     found.append(Provider(name, functools.partial(ours, tilegym_rms, backend=backend, eps=eps)))
             elif name == "torch.compile":

@@ -66,6 +66,15 @@ def _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error):
         return {}, None, f"available_backends failed: {base.short_error(exc)}"
 
 
+def _backend_unavailable(backend: str, avail: dict, tilegym_rms, tilegym_rms_error: str) -> str | None:
+    """Why our backend ``backend`` (of a ``tilegym_rms-<backend>`` provider) cannot run here; None when it can.
+    ``avail``, ``tilegym_rms`` and ``tilegym_rms_error`` as :func:`_tilegym_rms_availability` returns them."""
+    if tilegym_rms is None:
+        return f"tilegym_rms not importable ({tilegym_rms_error})"
+    ok, why = avail.get(backend, (False, "not reported by available_backends"))
+    return None if ok else (why or "not available")
+
+
 def discover_providers(
     names: list[str], device: torch.device, eps: float, tilegym_rms=None, tilegym_rms_error: str = ""
 ) -> tuple[list[Provider], dict[str, str]]:
@@ -79,12 +88,9 @@ def discover_providers(
                 skipped[name] = "a provider of --measure fused_add, fp8 or gated only"
             elif name.startswith("tilegym_rms-"):
                 backend = name.split("-", 1)[1]
-                if tilegym_rms is None:
-                    skipped[name] = f"tilegym_rms not importable ({tilegym_rms_error})"
-                    continue
-                ok, why = avail.get(backend, (False, "not reported by available_backends"))
-                if not ok:
-                    skipped[name] = why or "not available"
+                why = _backend_unavailable(backend, avail, tilegym_rms, tilegym_rms_error)
+                if why:
+                    skipped[name] = why
                     continue
                 found.append(_tilegym_rms_provider(name, tilegym_rms, backend, eps))
             elif name == "torch":
@@ -149,9 +155,9 @@ def discover_fused_add_providers(
 
                     found.append(Provider(name, unfused))
                     continue
-                ok, why = avail.get(backend, (False, "not reported by available_backends"))
-                if not ok:
-                    skipped[name] = why or "not available"
+                why = _backend_unavailable(backend, avail, tilegym_rms, tilegym_rms_error)
+                if why:
+                    skipped[name] = why
                     continue
 
                 def fused(x, r, w, mod=tilegym_rms, backend=backend):
@@ -212,9 +218,9 @@ def discover_fp8_providers(
                 found.append(Provider(name, unfused))
             elif name.startswith("tilegym_rms-"):
                 backend = name.split("-", 1)[1]
-                ok, why = avail.get(backend, (False, "not reported by available_backends"))
-                if not ok:
-                    skipped[name] = why or "not available"
+                why = _backend_unavailable(backend, avail, tilegym_rms, tilegym_rms_error)
+                if why:
+                    skipped[name] = why
                     continue
 
                 def fused(x, r, w, mod=tilegym_rms, backend=backend, **quant):
@@ -264,9 +270,9 @@ def discover_qk_providers(
     avail, tilegym_rms, tilegym_rms_error = _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error)
     for name in (n for n in names if n.startswith("tilegym_rms-")):
         backend = name.split("-", 1)[1]
-        ok, why = avail.get(backend, (False, f"tilegym_rms not importable ({tilegym_rms_error})"))
-        if not ok:
-            skipped[name] = why or "not available"
+        why = _backend_unavailable(backend, avail, tilegym_rms, tilegym_rms_error)
+        if why:
+            skipped[name] = why
             continue
 
         def qk(q, k, wq, wk, mod=tilegym_rms, backend=backend):
