@@ -116,7 +116,7 @@ def test_casting_modes_round_as_the_reference(backend, casting_mode, weight, off
                                        backend=backend)  # fmt: skip
         assert rel_err(y, _fp64(x, z, w, dy, *config, activation)[0]) <= 3e-2
     else:
-        y, _ = _check(backend, x, z, w, dy, *config, casting_mode, activation=activation)
+        y, _ = _check(backend, x, z, w, dy, 512, norm_before_gate, casting_mode, offset, activation=activation)
     expected, _ = reference.gated_rms_norm_forward(x, z, w, EPS, *config, casting_mode, activation)
     assert rel_err(y, expected) <= 4e-3
     ulp = torch.finfo(torch.bfloat16).eps
