@@ -169,12 +169,26 @@ class Heuristics:
     qk_bwd_blocks_per_sm: int = 2
     qk_bwd_occupancy: int = 2
 
-    # Gated RMSNorm (gated_rms_norm): a tile is rows of whole groups, each padded to next_pow2(group size).
-    # Elements per tile, forward and backward: the plain norm's narrow-row sizes (the backward holds x, z and
-    # dy); a group is at most gated_max_tile_s padded columns (wider ones run the reference's torch math).
-    # Not measured on a GPU yet: the plain norm's blocks per SM and hints by the tile's width.
+    # Gated RMSNorm (gated_rms_norm): a tile is rows of whole groups, each padded to next_pow2(group size); a
+    # group is at most gated_max_tile_s padded columns (wider ones run the reference's torch math). Measured on
+    # an H100 at 2048-8192 columns (PERFORMANCE.md, "Gated RMSNorm"): both kernels want eight worker warps at
+    # occupancy 2; the forward tiles of 16384 elements up to gated_fwd_small_max_row padded columns and 8192
+    # beyond, 8 blocks per SM; the backward (x, z and dy live) tiles of 8192 elements, 2 blocks per SM, but one
+    # row per tile for a single group of gated_bwd_one_row_min padded columns or more (two such rows spill; a
+    # row of several groups lost at one row per tile), and from gated_bwd_wide_min_row on the plain wide
+    # backward's settings.
     gated_fwd_tile_elems: int = 16384
+    gated_fwd_small_max_row: int = 2048
+    gated_fwd_wide_tile_elems: int = 8192
+    gated_fwd_blocks_per_sm: int = 8
     gated_bwd_tile_elems: int = 8192
+    gated_bwd_one_row_min: int = 4096
+    gated_bwd_blocks_per_sm: int = 2
+    gated_bwd_wide_min_row: int = 8192
+    gated_occupancy: int = 2
+    gated_worker_warps: int = 8
+    # Groups per tile: as many as fill this many padded columns (a wider group is a tile row of its own).
+    gated_max_group_row: int = 8192
     gated_max_tile_s: int = 16384
     # Most rows per tile: narrow groups (a 128-wide head of Qwen3-Next) fill a tile with rows, as the qk kernels'.
     gated_max_tile_m: int = 128
@@ -646,29 +660,39 @@ def gated_config(
         return None
     groups = n // group_size
 
-    def launch(target_elems, blocks_per_sm, hints, one_tile_per_block=False):
-        """``blocks_per_sm`` and ``hints``: ``(narrow, wide)``, by the tile's padded row (narrow_max_row)."""
-        tile_g = min(next_pow2(groups), max(1, target_elems // tile_s))
+    def launch(tile_elems, blocks_per_sm, hints, one_tile_per_block=False):
+        """``tile_elems`` (of the padded row and the groups per tile), ``blocks_per_sm`` and ``hints`` (of the
+        padded row): the class rules above."""
+        tile_g = min(next_pow2(groups), max(1, p.gated_max_group_row // tile_s))
         chunks, row = cdiv(groups, tile_g), tile_g * tile_s
-        wide = row > p.narrow_max_row
         by_rows = prev_pow2(max(m_bucket(m) * chunks // max(num_sms, 1), 1))  # a tile for every SM first
-        by_size = prev_pow2(max(target_elems // row, 1))
+        by_size = prev_pow2(max(tile_elems(row, tile_g) // row, 1))
         tile_m = 1 if invariant else max(1, min(p.gated_max_tile_m, by_size, by_rows))
         # Blocks over both axes: about blocks_per_sm per SM, at most one per row tile.
         grid = cdiv(m, tile_m)
         if not one_tile_per_block:
-            grid = min(max(num_sms * blocks_per_sm[wide] // chunks, 1), grid)
-        return GatedLaunch(tile_m, tile_g, (max(1, grid), chunks), hints[wide])
+            grid = min(max(num_sms * blocks_per_sm(row) // chunks, 1), grid)
+        return GatedLaunch(tile_m, tile_g, (max(1, grid), chunks), hints(row))
 
-    fwd_hints = tuple(_hints(occupancy=o) for o in (p.fwd_narrow_occupancy, p.fwd_wide_occupancy))
-    bwd_hints = (
-        _hints(occupancy=p.bwd_narrow_occupancy, num_worker_warps=p.bwd_narrow_worker_warps),
+    gated_hints = _hints(occupancy=p.gated_occupancy, num_worker_warps=p.gated_worker_warps)
+    wide_bwd = (
+        p.bwd_wide_blocks_per_sm,
         _hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps),
     )
+
+    def bwd_elems(row, tile_g):
+        return row if tile_g == 1 and row >= p.gated_bwd_one_row_min else p.gated_bwd_tile_elems
+
+    def bwd_class(row):
+        return wide_bwd if row >= p.gated_bwd_wide_min_row else (p.gated_bwd_blocks_per_sm, gated_hints)
+
+    def fwd_elems(row, tile_g):
+        return p.gated_fwd_tile_elems if row <= p.gated_fwd_small_max_row else p.gated_fwd_wide_tile_elems
+
     return GatedConfig(
         tile_s,
-        launch(p.gated_fwd_tile_elems, (p.fwd_narrow_blocks_per_sm, p.fwd_wide_blocks_per_sm), fwd_hints, invariant),
-        launch(p.gated_bwd_tile_elems, (p.bwd_narrow_blocks_per_sm, p.bwd_wide_blocks_per_sm), bwd_hints),
+        launch(fwd_elems, lambda row: p.gated_fwd_blocks_per_sm, lambda row: gated_hints, invariant),
+        launch(bwd_elems, lambda row: bwd_class(row)[0], lambda row: bwd_class(row)[1]),
     )
 
 
