@@ -187,6 +187,14 @@ class Heuristics:
     gated_bwd_wide_min_row: int = 8192
     gated_occupancy: int = 2
     gated_worker_warps: int = 8
+    # FP8 output (rms_norm_fp8) on rows of fp8_min_row padded columns or more, measured on an H100 at 2048-8192
+    # columns (PERFORMANCE.md, "FP8 output"): tiles of fp8_tile_elems elements, eight worker warps at occupancy 2,
+    # fp8_blocks_per_sm blocks per SM; narrower rows take the persistent forward's settings.
+    fp8_min_row: int = 2048
+    fp8_tile_elems: int = 16384
+    fp8_blocks_per_sm: int = 2
+    fp8_occupancy: int = 2
+    fp8_worker_warps: int = 8
     # Groups per tile: as many as fill this many padded columns (a wider group is a tile row of its own).
     gated_max_group_row: int = 8192
     gated_max_tile_s: int = 16384
@@ -716,12 +724,12 @@ class FP8Config:
 def fp8_config(
     m: int, n: int, group_size: int | None, num_sms: int, invariant: bool = False, params: Heuristics | None = None
 ) -> FP8Config:
-    """Tiles of the FP8 kernel for an ``(m, n)`` input. Its work per row is the forward's plus the scales, so it
-    takes the forward's measured settings: one row per block for few rows (``gather_max_rows_per_sm``, the
-    decode sizes) with the gather kernel's hints; else about ``fwd_tile_elems`` per tile, walked by the
-    persistent forward's grid with its hints for that width (one tile per block left the loads' latency
-    unhidden: PERFORMANCE.md, "FP8 output"). In the batch-invariant mode one row per block at every M: a row's place in
-    a tile of several could change how the compiler reduces it (PERFORMANCE.md, "Batch invariance")."""
+    """Tiles of the FP8 kernel for an ``(m, n)`` input: one row per block for few rows (``gather_max_rows_per_sm``,
+    the decode sizes) with the gather kernel's hints; else row tiles walked by a persistent grid (one tile per
+    block left the loads' latency unhidden), with the ``fp8_*`` settings from ``fp8_min_row`` padded columns on
+    and the persistent forward's below (PERFORMANCE.md, "FP8 output"). In the batch-invariant mode one row per
+    block at every M: a row's place in a tile of several could change how the compiler reduces it
+    (PERFORMANCE.md, "Batch invariance")."""
     p = params or HEURISTICS
     tile_n = max(next_pow2(n), group_size or 1)
     if tile_n > FP8_MAX_TILE_N:
@@ -729,7 +737,11 @@ def fp8_config(
     if invariant or m_bucket(m) <= p.gather_max_rows_per_sm * num_sms:
         occupancy, warps = _gather_hints(tile_n, True, p)
         return FP8Config(1, tile_n, m, _hints(occupancy=occupancy, num_worker_warps=warps))
-    blocks_per_sm, occupancy, warps = _persistent_class(tile_n, "fwd", p)
-    tile_m = _tile_m(tile_n, p.fwd_tile_elems, p)
+    if tile_n >= p.fp8_min_row:
+        blocks_per_sm, occupancy, warps = p.fp8_blocks_per_sm, p.fp8_occupancy, p.fp8_worker_warps
+        tile_m = _tile_m(tile_n, p.fp8_tile_elems, p)
+    else:
+        blocks_per_sm, occupancy, warps = _persistent_class(tile_n, "fwd", p)
+        tile_m = _tile_m(tile_n, p.fwd_tile_elems, p)
     grid = min(cdiv(m, tile_m), blocks_per_sm * num_sms)
     return FP8Config(tile_m, tile_n, grid, _hints(occupancy=occupancy, num_worker_warps=warps))
