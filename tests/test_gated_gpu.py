@@ -6,6 +6,7 @@ one per (group tile, dtypes, M bucket, order of norm and gate), so the grids sta
 """
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -194,8 +195,11 @@ def test_cutile_is_the_default_and_launches_its_kernels(monkeypatch):
 def test_batch_invariant_mode(backend, n, group_size, norm_before_gate):
     """In the batch-invariant mode each probe row's y, dx and dz are those of the row alone, at Ms where the
     default launch tiles several rows and walks several tiles per block; dw (a sum over rows) is not compared.
-    The probes' ``residual`` rows serve as the gate."""
+    The probes' ``residual`` rows serve as the gate. A group wider than the Triton kernels' tiles runs torch's
+    math, which warns instead (test_batch_invariant_mode_warns_where_torch_math_runs)."""
     _skip_interpreted(backend)
+    if backend == "triton" and _wider_than_triton_tiles(group_size or n):
+        pytest.skip("runs torch's math: see test_batch_invariant_mode_warns_where_torch_math_runs")
     w = weight_of(n, torch.bfloat16, "cuda").requires_grad_()
 
     def run(b):
@@ -208,3 +212,34 @@ def test_batch_invariant_mode(backend, n, group_size, norm_before_gate):
     with tilegym_rms.batch_invariant():
         probes = row_probes(n, torch.bfloat16, "cuda")
         assert_rows_invariant(RowOp(("x", "residual", "dy"), run), probes, [1, 7, 600, 4100, 40000])
+
+
+def _wider_than_triton_tiles(group_size: int) -> bool:
+    from tilegym_rms.triton import config
+
+    return config.next_pow2(group_size) > config.max_tile_elems("gated_backward")
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_batch_invariant_mode_warns_where_torch_math_runs(norm_before_gate):
+    """On the Triton backend a group wider than its tiles runs the reference's torch math, whose results follow
+    M (on an H100, one of 8192 values of a few rows differed by an ulp between batch sizes): in the
+    batch-invariant mode the call says so; outside it, and for groups that fit, it stays silent."""
+    _skip_interpreted("triton")
+    n = 8192
+    assert _wider_than_triton_tiles(n)
+    x, z, w, dy = _inputs(64, n, torch.bfloat16, torch.bfloat16)
+    leaves = [t.detach().requires_grad_() for t in (x, z, w)]
+
+    def call(*rows):
+        y = tilegym_rms.gated_rms_norm(*rows, EPS, norm_before_gate=norm_before_gate, backend="triton")
+        return torch.autograd.grad(y, rows, torch.ones_like(y))
+
+    with tilegym_rms.batch_invariant(), pytest.warns(tilegym_rms.BatchInvarianceWarning, match="torch's math"):
+        call(*leaves)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tilegym_rms.BatchInvarianceWarning)
+        call(*leaves)  # the default mode promises no invariance
+        small = [t[:, :1024].detach().requires_grad_() for t in (x, z)] + [w[:1024].detach().requires_grad_()]
+        with tilegym_rms.batch_invariant():
+            call(*small)

@@ -4,7 +4,7 @@ cuTile kernels on NVIDIA GPUs, Triton kernels for Ascend NPUs (also run on NVIDI
 Triton), and a pure-torch reference on the CPU, all behind :func:`rms_norm`.
 """
 
-from .batch_invariance import batch_invariant, is_batch_invariant, set_batch_invariant
+from .batch_invariance import BatchInvarianceWarning, batch_invariant, is_batch_invariant, set_batch_invariant
 from .dispatch import BACKENDS, available_backends
 from .experimental import ExperimentalKernelWarning, experimental_kernel
 from .module import GatedRMSNorm, RMSNorm
@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "BatchInvarianceWarning",
     "ExperimentalKernelWarning",
     "GatedRMSNorm",
     "QKRMSNormFunction",

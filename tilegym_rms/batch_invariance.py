@@ -25,6 +25,10 @@ _ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
 _enabled: bool | None = None  # None until the first call reads the environment
 
 
+class BatchInvarianceWarning(UserWarning):
+    """A call in the batch-invariant mode that runs code whose results may follow M (named in the message)."""
+
+
 def _from_env() -> bool:
     value = os.environ.get(ENV, "").strip().lower()
     if value in _ON:

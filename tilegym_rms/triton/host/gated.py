@@ -4,10 +4,12 @@ columns per program column; a group wider than one tile's budget runs the refere
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from tilegym_rms import reference
-from tilegym_rms.batch_invariance import is_batch_invariant
+from tilegym_rms.batch_invariance import BatchInvarianceWarning, is_batch_invariant
 from tilegym_rms.reference import CASTING_CODES, GATE_CODES
 from tilegym_rms.triton import config
 from tilegym_rms.triton import launch as _launch
@@ -17,8 +19,18 @@ from tilegym_rms.triton.host.common import load_kernels
 
 def _tiles(m: int, group_size: int, dtype, op: str) -> config.Tiling | None:
     """Rows of one group per tile (the block path of :func:`config.choose_tiles` at N = group size), or None
-    where a group does not fit one tile."""
-    if config.next_pow2(group_size) > config.max_tile_elems(op):
+    where a group does not fit one tile: the reference's torch math then runs, whose kernels follow M, so in the
+    batch-invariant mode that warns (:class:`BatchInvarianceWarning`)."""
+    budget = config.max_tile_elems(op)
+    if config.next_pow2(group_size) > budget:
+        if is_batch_invariant():
+            warnings.warn(
+                f"batch-invariant mode: the Triton gated {op.removeprefix('gated_')} takes groups of at most "
+                f"{budget} columns; this group of {group_size} runs torch's math, whose results may follow the "
+                "number of rows (backend='cutile' takes wider groups)",
+                BatchInvarianceWarning,
+                stacklevel=4,
+            )
         return None
     return config.choose_tiles(m, group_size, dtype, op, "block", is_batch_invariant())
 
