@@ -396,6 +396,25 @@ def test_cutile_tiles_hold_whole_groups(m, n, group_size):
     assert cfg.bwd.tile_m * cfg.bwd.tile_g <= cfg.fwd.tile_m * cfg.fwd.tile_g
 
 
+@pytest.mark.parametrize(
+    "n,group_size,gate_dtype,tile_m",
+    [
+        (2048, 2048, torch.bfloat16, 4),  # 8192-element tiles below 4096 padded columns
+        (4096, 4096, torch.bfloat16, 1),  # one group of 4096: two rows spill
+        (4096, 512, torch.bfloat16, 2),  # eight groups with a 16-bit gate keep 8192-element tiles
+        (4096, 512, torch.float32, 1),  # with an fp32 gate one row
+    ],
+)
+def test_cutile_backward_rows_per_tile_follow_groups_and_gate(n, group_size, gate_dtype, tile_m):
+    """The backward's rows per tile as measured fastest on an H100 (PERFORMANCE.md, "Gated RMSNorm"), as the
+    compile check's host calls launch them (the gate's dtype reaches the rule)."""
+    from tilegym_rms import aot
+
+    found = aot.gated_variants_for(65536, n, group_size, torch.bfloat16, gate_dtype, every_path=False)
+    tiles = {v.constants()["TILE_M"] for v in found if v.kernel_name == "gated_rms_norm_bwd"}
+    assert tiles == {tile_m}
+
+
 def test_cutile_tiles_in_the_batch_invariant_mode_do_not_follow_m():
     from tilegym_rms.cutile import config
 

@@ -383,7 +383,9 @@ def gated_variants_for(
             )
             _, rstd = gated.start_forward(fl, x, z, weight, 0.0, 0.0, group_size, store, -1, record)
             if store:
-                bl = gated.backward_launches(target, m, n, group_size, dtype, has_w, norm_before_gate, activation)
+                bl = gated.backward_launches(
+                    target, m, n, group_size, dtype, gate_dtype, has_w, norm_before_gate, activation
+                )
                 gated.start_backward(bl, x, z, x, weight, rstd, 0.0, group_size, -1, record)
     return list(found)
 

@@ -174,9 +174,9 @@ class Heuristics:
     # an H100 at 2048-8192 columns (PERFORMANCE.md, "Gated RMSNorm"): both kernels want eight worker warps at
     # occupancy 2; the forward tiles of 16384 elements up to gated_fwd_small_max_row padded columns and 8192
     # beyond, 8 blocks per SM; the backward (x, z and dy live) tiles of 8192 elements, 2 blocks per SM, but one
-    # row per tile for a single group of gated_bwd_one_row_min padded columns or more (two such rows spill; a
-    # row of several groups lost at one row per tile), and from gated_bwd_wide_min_row on the plain wide
-    # backward's settings.
+    # row per tile from gated_bwd_one_row_min padded columns on for a single group (two such rows spill) or an
+    # fp32 gate (a row of several groups with a 16-bit gate lost at one row per tile), and from
+    # gated_bwd_wide_min_row on the plain wide backward's settings.
     gated_fwd_tile_elems: int = 16384
     gated_fwd_small_max_row: int = 2048
     gated_fwd_wide_tile_elems: int = 8192
@@ -655,14 +655,20 @@ class GatedConfig:
 
 
 def gated_config(
-    m: int, n: int, group_size: int, dtype: torch.dtype, num_sms: int, invariant: bool = False
+    m: int,
+    n: int,
+    group_size: int,
+    dtype: torch.dtype,
+    num_sms: int,
+    invariant: bool = False,
+    gate_dtype: torch.dtype | None = None,
 ) -> GatedConfig | None:
-    """Tiles, grids and hints of the gated kernels for ``m`` rows of ``n`` columns in groups of ``group_size``
-    (tiles from M's bucket, grids from M), or None for a group wider than ``gated_max_tile_s`` (the host then
-    runs the torch math). In the batch-invariant mode a tile is one row and the forward gives each row tile a
-    block of its own, whatever M."""
+    """Tiles, grids and hints of the gated kernels for ``m`` rows of ``n`` columns of ``dtype`` in groups of
+    ``group_size``, gated by a ``gate_dtype`` tensor (None: ``dtype``), tiles from M's bucket, grids from M; or
+    None for a group wider than ``gated_max_tile_s`` (the host then runs the torch math). In the batch-invariant
+    mode a tile is one row and the forward gives each row tile a block of its own, whatever M."""
     p = HEURISTICS
-    del dtype  # tiles are counted in elements, as the qk kernels'
+    gate_bytes = (gate_dtype or dtype).itemsize
     tile_s = next_pow2(group_size)
     if tile_s > p.gated_max_tile_s:
         return None
@@ -689,7 +695,8 @@ def gated_config(
     )
 
     def bwd_elems(row, tile_g):
-        return row if tile_g == 1 and row >= p.gated_bwd_one_row_min else p.gated_bwd_tile_elems
+        one_row = row >= p.gated_bwd_one_row_min and (tile_g == 1 or gate_bytes == 4)
+        return row if one_row else p.gated_bwd_tile_elems
 
     def bwd_class(row):
         return wide_bwd if row >= p.gated_bwd_wide_min_row else (p.gated_bwd_blocks_per_sm, gated_hints)

@@ -19,8 +19,9 @@ from .backward import reduce, reduce_launch
 from .common import Launch, Target, make_launch, plain, target
 
 
-def config_for(tgt: Target, m: int, n: int, group_size: int, dtype: torch.dtype) -> config.GatedConfig | None:
-    return config.gated_config(m, n, group_size, dtype, tgt.sms, tgt.invariant)
+def config_for(tgt: Target, m: int, n: int, group_size: int, dtype: torch.dtype,
+               gate_dtype: torch.dtype | None = None) -> config.GatedConfig | None:  # fmt: skip
+    return config.gated_config(m, n, group_size, dtype, tgt.sms, tgt.invariant, gate_dtype)
 
 
 def forward_launch(tgt: Target, m, n, group_size, dtype, casting_mode, has_w, norm_before_gate, store_rstd,
@@ -44,10 +45,10 @@ class GatedBackwardLaunches:
     reduce: Launch | None
 
 
-def backward_launches(tgt: Target, m, n, group_size, dtype, has_w, norm_before_gate,
+def backward_launches(tgt: Target, m, n, group_size, dtype, gate_dtype, has_w, norm_before_gate,
                       activation="silu") -> GatedBackwardLaunches | None:  # fmt: skip
     """The backward's launches, or None where the torch math runs (see :func:`config_for`)."""
-    cfg = config_for(tgt, m, n, group_size, dtype)
+    cfg = config_for(tgt, m, n, group_size, dtype, gate_dtype)
     if cfg is None:
         return None
     b = cfg.bwd
@@ -108,9 +109,10 @@ def cached_forward(dev: int, m, n, group_size, dtype, casting_mode, has_w, norm_
 
 
 @functools.lru_cache(maxsize=4096)
-def cached_backward(dev: int, m, n, group_size, dtype, has_w, norm_before_gate, activation="silu",
+def cached_backward(dev: int, m, n, group_size, dtype, gate_dtype, has_w, norm_before_gate, activation="silu",
                     invariant=False) -> GatedBackwardLaunches | None:  # fmt: skip
-    return backward_launches(target(dev, invariant), m, n, group_size, dtype, has_w, norm_before_gate, activation)
+    args = (m, n, group_size, dtype, gate_dtype, has_w, norm_before_gate, activation)
+    return backward_launches(target(dev, invariant), *args)
 
 
 CACHES = (cached_forward, cached_backward)
@@ -133,7 +135,7 @@ def gated_forward(x, z, weight, eps, offset, casting_mode, *, group_size, norm_b
 def gated_backward(x, z, dy, weight, rstd, offset, casting_mode, *, group_size, norm_before_gate, activation="silu"):
     """``(dx, dz, dw)`` for 2-D rows; see :class:`tilegym_rms.dispatch.GatedBackend`."""
     dev = x.get_device()
-    bl = cached_backward(dev, *x.shape, group_size, x.dtype, weight is not None, norm_before_gate, activation,
+    bl = cached_backward(dev, *x.shape, group_size, x.dtype, z.dtype, weight is not None, norm_before_gate, activation,
                          is_batch_invariant())  # fmt: skip
     if bl is None:
         dx, dz, dw = reference.gated_rms_norm_backward(
