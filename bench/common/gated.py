@@ -47,25 +47,25 @@ def title(op: str) -> str:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _rstd_bytes(m: int, n: int) -> int:
-    return 4 * m * (n // (group_size(n) or n))
+def _rstd_bytes(m: int, n: int, group: int | None) -> int:
+    return 4 * m * (n // (group or n))
 
 
-def op_bytes(op: str, m: int, n: int, elt: int) -> int:
+def op_bytes(op: str, m: int, n: int, elt: int, group: int | None = None) -> int:
     """Minimal traffic. Forward (no grad): read x, z, w, write y. Backward: read x, z, dy, w and the fp32 rstd
-    (one per group), write dx, dz and dw."""
+    (one per group of ``group`` columns; None: the layout of :func:`group_size`), write dx, dz and dw."""
     direction, _, gate = parse(op)
     zelt = gate.itemsize
     if direction == "fwd":
         return m * n * (2 * elt + zelt) + n * elt
-    return m * n * (3 * elt + 2 * zelt) + 2 * n * elt + _rstd_bytes(m, n)
+    return m * n * (3 * elt + 2 * zelt) + 2 * n * elt + _rstd_bytes(m, n, group or group_size(n))
 
 
-def read_bytes(op: str, m: int, n: int, elt: int) -> int:
+def read_bytes(op: str, m: int, n: int, elt: int, group: int | None = None) -> int:
     """Bytes one call reads (what the input rotation pushes out of L2)."""
     direction, _, gate = parse(op)
     rows = m * n * ((1 if direction == "fwd" else 2) * elt + gate.itemsize)
-    return rows + n * elt + (_rstd_bytes(m, n) if direction == "bwd" else 0)
+    return rows + n * elt + (_rstd_bytes(m, n, group or group_size(n)) if direction == "bwd" else 0)
 
 
 # --------------------------------------------------------------------------------------------------------------

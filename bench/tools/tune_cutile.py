@@ -13,6 +13,17 @@ e.g. how much of a backward the dw reduction takes. Prints one table; the winner
     python -m bench.tools.tune_cutile --op backward --shapes 4096x2048 --set bwd_narrow_blocks_per_sm=1,2 --breakdown
     python -m bench.tools.tune_cutile --op forward --shapes 4096x1024 --set fwd_narrow_occupancy=0,2,4
     python -m bench.tools.tune_cutile --op backward --hint num_worker_warps=0,8 --only rms_norm_dw_reduce --breakdown
+
+The gated norm's and the FP8 output's ops go by the benchmark's names (``gated_bwd_after_fp32gate``,
+``fp8_token``, ...; gated rows in the benchmark's groups unless ``--group-size`` says otherwise), e.g. the sweep
+behind their launch settings (PERFORMANCE.md, "FP8 output"):
+
+    python -m bench.tools.tune_cutile --op fp8_token --shapes 16384x4096 --warm-procs 14 --check \
+        --set fp8_tile_elems=4096,8192,16384 --set fp8_blocks_per_sm=1,2,4,8 \
+        --set fp8_occupancy=1,2 --set fp8_worker_warps=0,8
+
+``--warm-procs K`` first compiles every combination in K processes (the compile cache is shared; compiling is
+most of a sweep's time), ``--check`` prints how far each combination's outputs are from the first one's.
 """
 
 from __future__ import annotations
@@ -20,13 +31,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from bench.common import base, cli_args, timing, traffic
+from bench.common import base, cli_args, gated, timing, traffic
 
-OPS = ("forward", "backward")
+OPS = ("forward", "backward", *gated.OPS, *traffic.FP8_OPS)
+EPS = 1e-6
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -50,23 +65,91 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", metavar="KERNEL", help="apply the --hint values to this kernel only")
     parser.add_argument("--reps", type=int, default=10, help="timed passes over the rotating inputs (median)")
     parser.add_argument("--breakdown", action="store_true", help="per-kernel device time of each setting")
+    parser.add_argument("--group-size", type=int, help="gated ops: columns per group (default: the benchmark's)")
+    parser.add_argument("--check", action="store_true", help="max |output - the first combination's output|")
+    parser.add_argument("--warm-procs", type=int, default=1, help="compile every combination first, in K processes")
+    parser.add_argument("--warm-shard", help=argparse.SUPPRESS)  # "i/K": compile the combinations i, i+K, ...
     return parser
 
 
-def _inputs(op: str, m: int, n: int, dtype: torch.dtype, device: torch.device):
-    per_set = m * n * dtype.itemsize * (2 if op == "forward" else 3)
-    count, _ = traffic.rotation_sets(per_set, timing.l2_bytes(device))
-    sets = []
-    for _ in range(count):
-        x = torch.randn(m, n, dtype=dtype, device=device)
-        sets.append((x, torch.randn_like(x), torch.rand(m, device=device) + 0.5))
-    return sets, traffic.op_bytes(op, m, n, dtype.itemsize)
+@dataclass
+class Problem:
+    """One shape of one op: input sets rotating through more than the L2 cache, the call, its minimal bytes."""
+
+    sets: list[tuple]
+    call: Callable[[tuple], object]
+    nbytes: int
 
 
-def _call(cutile, op, w):
-    if op == "forward":
-        return lambda s: cutile.forward(s[0], w, 1e-6, 0.0, "llama")
-    return lambda s: cutile.backward(s[0], s[1], w, s[2], 0.0, "llama")
+def _problem(cutile, op: str, m: int, n: int, dtype, device, group_size: int | None, sets: int | None = None):
+    """The :class:`Problem` of ``op`` at ``(m, n)`` (``sets`` input sets; None: enough to rotate through L2)."""
+    w = torch.randn(n, dtype=dtype, device=device)
+    elt = dtype.itemsize
+    if op in gated.OPS:
+        direction, norm_before_gate, gate_dtype = gated.parse(op)
+        kw = dict(group_size=group_size or gated.group_size(n) or n, norm_before_gate=norm_before_gate)
+
+        def make():
+            x, z = torch.randn(m, n, dtype=dtype, device=device), torch.randn(m, n, device=device).to(gate_dtype)
+            if direction == "fwd":
+                return x, z
+            return x, z, torch.randn_like(x), cutile.gated_forward(x, z, w, EPS, 0.0, "llama", **kw)[1]
+
+        def call(s):
+            if direction == "fwd":
+                return cutile.gated_forward(s[0], s[1], w, EPS, 0.0, "llama", store_rstd=False, **kw)[0]
+            return cutile.gated_backward(s[0], s[1], s[2], w, s[3], 0.0, "llama", **kw)
+
+        nbytes, read = (f(op, m, n, elt, kw["group_size"]) for f in (gated.op_bytes, gated.read_bytes))
+    elif op in traffic.FP8_OPS:
+        scales, add = traffic.FP8_OPS[op]
+        fp8 = dict(out_dtype=torch.float8_e4m3fn, scale_ub=None, use_ue8m0=False,
+                   scale=torch.full((1,), 0.05, device=device) if scales == "static" else None,
+                   group_size=traffic.FP8_GROUP_SIZE if scales == "group" else None)  # fmt: skip
+
+        def make():
+            x = torch.randn(m, n, dtype=dtype, device=device)
+            return x, (torch.randn_like(x) if add else None)  # the fused add writes the sum over the residual
+
+        def call(s):
+            return cutile.fp8_forward(s[0], s[1], w, EPS, 0.0, "llama", **fp8)
+
+        nbytes, read = traffic.fp8_bytes(op, m, n, elt), traffic.read_bytes(op, m, n, elt)
+    else:
+
+        def make():
+            x = torch.randn(m, n, dtype=dtype, device=device)
+            return x, torch.randn_like(x), torch.rand(m, device=device) + 0.5
+
+        def call(s):
+            if op == "forward":
+                return cutile.forward(s[0], w, EPS, 0.0, "llama")
+            return cutile.backward(s[0], s[1], w, s[2], 0.0, "llama")
+
+        nbytes, read = traffic.op_bytes(op, m, n, elt), m * n * elt * (2 if op == "forward" else 3)
+    count = sets or traffic.rotation_sets(read, timing.l2_bytes(device))[0]
+    return Problem([make() for _ in range(count)], call, nbytes)
+
+
+def _outputs(value) -> list[torch.Tensor]:
+    """The tensors of an op's result (a tensor or nested tuples), as fp32."""
+    if isinstance(value, torch.Tensor):
+        return [value.float()]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _outputs(v)]
+    return []
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Largest |a - b| over the outputs (a NaN difference counts as 0)."""
+    return max(
+        ((x - y).abs().nan_to_num(0.0).max().item() for x, y in zip(a, b, strict=True) if x.numel()), default=0.0
+    )
+
+
+def _fresh(s: tuple) -> tuple:
+    # A copy of one input set: the fused add writes over its residual.
+    return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in s)
 
 
 def _time_us(timer: timing.Timer, fn, sets, reps: int) -> float:
@@ -119,8 +202,18 @@ def _apply(stack, config, launch_module, original_with_hints, names, hint_names,
     return ", ".join(f"{k}={v}" for k, v in values.items()) or "defaults"
 
 
+def _warm(argv: list[str], procs: int) -> None:
+    """Compiles every combination in ``procs`` processes of this tool (``--warm-shard``), which share the
+    compile cache, and waits for them."""
+    command = [sys.executable, "-m", "bench.tools.tune_cutile", *argv, "--warm-shard"]
+    running = [subprocess.Popen([*command, f"{i}/{procs}"]) for i in range(procs)]
+    for proc in running:
+        proc.wait()
+
+
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     device = timing.cuda_device(parser.prog)
     if device is None:
@@ -138,27 +231,42 @@ def main(argv=None) -> int:
             print(f"config.Heuristics has no parameter {name!r}; one of {', '.join(fields)}", file=sys.stderr)
             return 2
     dtype = base.DTYPES[args.dtype]
-    timer = timing.Timer(device, "profiler")
-    print(timer.calibrate())
-    copy_bw = traffic.summarize(timing.copy_bandwidth(timer, device, base.COPY_BYTES, 5)[0])[0]
-    print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {copy_bw:.0f} GB/s; {args.op} {args.dtype}")
     names = [name for name, _ in args.sets]
     hint_names = [name for name, _ in args.hints]
     combos = list(itertools.product(*[values for _, values in args.sets + args.hints])) or [()]
+    shard, shards = (int(v) for v in args.warm_shard.split("/")) if args.warm_shard else (0, 1)
+    if args.warm_procs > 1 and not args.warm_shard:
+        _warm(argv, args.warm_procs)
+    elif args.warm_shard:
+        combos = combos[shard::shards]
+    timer = None
+    if not args.warm_shard:
+        timer = timing.Timer(device, "profiler")
+        print(timer.calibrate())
+        copy_bw = traffic.summarize(timing.copy_bandwidth(timer, device, base.COPY_BYTES, 5)[0])[0]
+        print(f"{torch.cuda.get_device_name(device)}; copy bandwidth {copy_bw:.0f} GB/s; {args.op} {args.dtype}")
     for m, n in args.shapes:
-        sets, nbytes = _inputs(args.op, m, n, dtype, device)
-        w = torch.randn(n, dtype=dtype, device=device)
-        fn = _call(cutile, args.op, w)
+        problem = _problem(cutile, args.op, m, n, dtype, device, args.group_size, 1 if args.warm_shard else None)
+        first = None
         for combo in combos:
             stack = contextlib.ExitStack()
             setting = _apply(stack, config, launch_module, original_with_hints, names, hint_names, combo, args.only)
             cutile.clear_caches()
             try:
-                us = _time_us(timer, fn, sets, args.reps)
-                gb = traffic.gbps(nbytes, us)
-                print(f"  {m:>6} x {n:<6} {setting:<50} {us:9.1f} us {gb:6.0f} GB/s ({100 * gb / copy_bw:.0f}%)")
+                if args.warm_shard:
+                    problem.call(problem.sets[0])
+                    torch.cuda.synchronize()
+                    continue
+                note = ""
+                if args.check:
+                    out = _outputs(problem.call(_fresh(problem.sets[0])))
+                    first = out if first is None else first
+                    note = f"  max diff {_max_diff(first, out):.3g}"
+                us = _time_us(timer, problem.call, problem.sets, args.reps)
+                gb = traffic.gbps(problem.nbytes, us)
+                print(f"  {m:>6} x {n:<6} {setting:<50} {us:9.1f} us {gb:6.0f} GB/s ({100 * gb / copy_bw:.0f}%){note}")
                 if args.breakdown:
-                    print(_breakdown(fn, sets))
+                    print(_breakdown(problem.call, problem.sets))
             except Exception as exc:  # noqa: BLE001 - a setting that does not compile is a result too
                 print(f"  {m:>6} x {n:<6} {setting}: {base.short_error(exc)}")
             finally:
@@ -166,7 +274,7 @@ def main(argv=None) -> int:
                 launch_module.with_hints = original_with_hints
                 cutile.clear_caches()
             sys.stdout.flush()
-        del sets
+        del problem
     return 0
 
 
