@@ -408,6 +408,7 @@ def test_cutile_tiles_hold_whole_groups(m, n, group_size):
 def test_cutile_backward_rows_per_tile_follow_groups_and_gate(n, group_size, gate_dtype, tile_m):
     """The backward's rows per tile as measured fastest on an H100 (PERFORMANCE.md, "Gated RMSNorm"), as the
     compile check's host calls launch them (the gate's dtype reaches the rule)."""
+    pytest.importorskip("cuda.tile")  # the [cuda] extra: the host builds its launches on the kernel module
     from tilegym_rms import aot
 
     found = aot.gated_variants_for(65536, n, group_size, torch.bfloat16, gate_dtype, every_path=False)
