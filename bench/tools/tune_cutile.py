@@ -72,6 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _inputs(op: str, m: int, n: int, dtype: torch.dtype, device: torch.device):
+    """``(input sets, minimal bytes)`` of the plain ``forward`` or ``backward`` (also tune_table.py's)."""
+    per_set = m * n * dtype.itemsize * (2 if op == "forward" else 3)
+    count, _ = traffic.rotation_sets(per_set, timing.l2_bytes(device))
+    sets = []
+    for _ in range(count):
+        x = torch.randn(m, n, dtype=dtype, device=device)
+        sets.append((x, torch.randn_like(x), torch.rand(m, device=device) + 0.5))
+    return sets, traffic.op_bytes(op, m, n, dtype.itemsize)
+
+
+def _call(cutile, op, w):
+    """The host call of the plain ``forward`` or ``backward`` on one input set (also tune_table.py's)."""
+    if op == "forward":
+        return lambda s: cutile.forward(s[0], w, EPS, 0.0, "llama")
+    return lambda s: cutile.backward(s[0], s[1], w, s[2], 0.0, "llama")
+
+
 @dataclass
 class Problem:
     """One shape of one op: input sets rotating through more than the L2 cache, the call, its minimal bytes."""
@@ -116,17 +134,8 @@ def _problem(cutile, op: str, m: int, n: int, dtype, device, group_size: int | N
 
         nbytes, read = traffic.fp8_bytes(op, m, n, elt), traffic.read_bytes(op, m, n, elt)
     else:
-
-        def make():
-            x = torch.randn(m, n, dtype=dtype, device=device)
-            return x, torch.randn_like(x), torch.rand(m, device=device) + 0.5
-
-        def call(s):
-            if op == "forward":
-                return cutile.forward(s[0], w, EPS, 0.0, "llama")
-            return cutile.backward(s[0], s[1], w, s[2], 0.0, "llama")
-
-        nbytes, read = traffic.op_bytes(op, m, n, elt), m * n * elt * (2 if op == "forward" else 3)
+        inputs, nbytes = _inputs(op, m, n, dtype, device)
+        return Problem(inputs[:sets] if sets else inputs, _call(cutile, op, w), nbytes)
     count = sets or traffic.rotation_sets(read, timing.l2_bytes(device))[0]
     return Problem([make() for _ in range(count)], call, nbytes)
 
