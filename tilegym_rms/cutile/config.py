@@ -187,6 +187,12 @@ class Heuristics:
     gated_bwd_wide_min_row: int = 8192
     gated_occupancy: int = 2
     gated_worker_warps: int = 8
+    # Groups per tile: as many as fill this many padded columns (a wider group is a tile row of its own).
+    gated_max_group_row: int = 8192
+    gated_max_tile_s: int = 16384
+    # Most rows per tile: narrow groups (a 128-wide head of Qwen3-Next) fill a tile with rows, as the qk kernels'.
+    gated_max_tile_m: int = 128
+
     # FP8 output (rms_norm_fp8) on rows of fp8_min_row padded columns or more, measured on an H100 at 2048-8192
     # columns (PERFORMANCE.md, "FP8 output"): tiles of fp8_tile_elems elements, eight worker warps at occupancy 2,
     # fp8_blocks_per_sm blocks per SM; narrower rows take the persistent forward's settings.
@@ -195,11 +201,6 @@ class Heuristics:
     fp8_blocks_per_sm: int = 2
     fp8_occupancy: int = 2
     fp8_worker_warps: int = 8
-    # Groups per tile: as many as fill this many padded columns (a wider group is a tile row of its own).
-    gated_max_group_row: int = 8192
-    gated_max_tile_s: int = 16384
-    # Most rows per tile: narrow groups (a 128-wide head of Qwen3-Next) fill a tile with rows, as the qk kernels'.
-    gated_max_tile_m: int = 128
 
 
 HEURISTICS = Heuristics()
@@ -673,41 +674,31 @@ def gated_config(
     if tile_s > p.gated_max_tile_s:
         return None
     groups = n // group_size
+    tile_g = min(next_pow2(groups), max(1, p.gated_max_group_row // tile_s))
+    chunks, row = cdiv(groups, tile_g), tile_g * tile_s  # row: a tile row's padded columns
 
     def launch(tile_elems, blocks_per_sm, hints, one_tile_per_block=False):
-        """``tile_elems`` (of the padded row and the groups per tile), ``blocks_per_sm`` and ``hints`` (of the
-        padded row): the class rules above."""
-        tile_g = min(next_pow2(groups), max(1, p.gated_max_group_row // tile_s))
-        chunks, row = cdiv(groups, tile_g), tile_g * tile_s
         by_rows = prev_pow2(max(m_bucket(m) * chunks // max(num_sms, 1), 1))  # a tile for every SM first
-        by_size = prev_pow2(max(tile_elems(row, tile_g) // row, 1))
+        by_size = prev_pow2(max(tile_elems // row, 1))
         tile_m = 1 if invariant else max(1, min(p.gated_max_tile_m, by_size, by_rows))
         # Blocks over both axes: about blocks_per_sm per SM, at most one per row tile.
         grid = cdiv(m, tile_m)
         if not one_tile_per_block:
-            grid = min(max(num_sms * blocks_per_sm(row) // chunks, 1), grid)
-        return GatedLaunch(tile_m, tile_g, (max(1, grid), chunks), hints(row))
+            grid = min(max(num_sms * blocks_per_sm // chunks, 1), grid)
+        return GatedLaunch(tile_m, tile_g, (max(1, grid), chunks), hints)
 
-    gated_hints = _hints(occupancy=p.gated_occupancy, num_worker_warps=p.gated_worker_warps)
-    wide_bwd = (
-        p.bwd_wide_blocks_per_sm,
-        _hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps),
-    )
-
-    def bwd_elems(row, tile_g):
-        one_row = row >= p.gated_bwd_one_row_min and (tile_g == 1 or gate_bytes == 4)
-        return row if one_row else p.gated_bwd_tile_elems
-
-    def bwd_class(row):
-        return wide_bwd if row >= p.gated_bwd_wide_min_row else (p.gated_bwd_blocks_per_sm, gated_hints)
-
-    def fwd_elems(row, tile_g):
-        return p.gated_fwd_tile_elems if row <= p.gated_fwd_small_max_row else p.gated_fwd_wide_tile_elems
-
+    hints = _hints(occupancy=p.gated_occupancy, num_worker_warps=p.gated_worker_warps)
+    fwd_elems = p.gated_fwd_tile_elems if row <= p.gated_fwd_small_max_row else p.gated_fwd_wide_tile_elems
+    one_row = row >= p.gated_bwd_one_row_min and (tile_g == 1 or gate_bytes == 4)
+    bwd_elems = row if one_row else p.gated_bwd_tile_elems
+    bwd_blocks, bwd_hints = p.gated_bwd_blocks_per_sm, hints
+    if row >= p.gated_bwd_wide_min_row:  # the plain wide backward's settings
+        bwd_hints = _hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps)
+        bwd_blocks = p.bwd_wide_blocks_per_sm
     return GatedConfig(
         tile_s,
-        launch(fwd_elems, lambda row: p.gated_fwd_blocks_per_sm, lambda row: gated_hints, invariant),
-        launch(bwd_elems, lambda row: bwd_class(row)[0], lambda row: bwd_class(row)[1]),
+        launch(fwd_elems, p.gated_fwd_blocks_per_sm, hints, invariant),
+        launch(bwd_elems, bwd_blocks, bwd_hints),
     )
 
 
