@@ -48,7 +48,8 @@ def title(op: str) -> str:
 
 
 def _rstd_bytes(m: int, n: int, group: int | None) -> int:
-    return 4 * m * (n // (group or n))
+    """The fp32 rstd: one per group of ``group`` columns (None: the layout of :func:`group_size`)."""
+    return 4 * m * (n // (group or group_size(n) or n))
 
 
 def op_bytes(op: str, m: int, n: int, elt: int, group: int | None = None) -> int:
@@ -58,14 +59,14 @@ def op_bytes(op: str, m: int, n: int, elt: int, group: int | None = None) -> int
     zelt = gate.itemsize
     if direction == "fwd":
         return m * n * (2 * elt + zelt) + n * elt
-    return m * n * (3 * elt + 2 * zelt) + 2 * n * elt + _rstd_bytes(m, n, group or group_size(n))
+    return m * n * (3 * elt + 2 * zelt) + 2 * n * elt + _rstd_bytes(m, n, group)
 
 
 def read_bytes(op: str, m: int, n: int, elt: int, group: int | None = None) -> int:
     """Bytes one call reads (what the input rotation pushes out of L2)."""
     direction, _, gate = parse(op)
     rows = m * n * ((1 if direction == "fwd" else 2) * elt + gate.itemsize)
-    return rows + n * elt + (_rstd_bytes(m, n, group or group_size(n)) if direction == "bwd" else 0)
+    return rows + n * elt + (_rstd_bytes(m, n, group) if direction == "bwd" else 0)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -72,10 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _inputs(op: str, m: int, n: int, dtype: torch.dtype, device: torch.device):
-    """``(input sets, minimal bytes)`` of the plain ``forward`` or ``backward`` (also tune_table.py's)."""
+def _inputs(op: str, m: int, n: int, dtype: torch.dtype, device: torch.device, count: int | None = None):
+    """``(input sets, minimal bytes)`` of the plain ``forward`` or ``backward`` (also tune_table.py's): ``count``
+    sets, or (None) enough to rotate through more than the L2 cache."""
     per_set = m * n * dtype.itemsize * (2 if op == "forward" else 3)
-    count, _ = traffic.rotation_sets(per_set, timing.l2_bytes(device))
+    count = count or traffic.rotation_sets(per_set, timing.l2_bytes(device))[0]
     sets = []
     for _ in range(count):
         x = torch.randn(m, n, dtype=dtype, device=device)
@@ -134,8 +135,8 @@ def _problem(cutile, op: str, m: int, n: int, dtype, device, group_size: int | N
 
         nbytes, read = traffic.fp8_bytes(op, m, n, elt), traffic.read_bytes(op, m, n, elt)
     else:
-        inputs, nbytes = _inputs(op, m, n, dtype, device)
-        return Problem(inputs[:sets] if sets else inputs, _call(cutile, op, w), nbytes)
+        inputs, nbytes = _inputs(op, m, n, dtype, device, sets)
+        return Problem(inputs, _call(cutile, op, w), nbytes)
     count = sets or traffic.rotation_sets(read, timing.l2_bytes(device))[0]
     return Problem([make() for _ in range(count)], call, nbytes)
 
