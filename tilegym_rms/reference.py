@@ -337,16 +337,21 @@ def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
 def quantize_fp8(y, *, scale=None, group_size=None, scale_ub=None, out_dtype=torch.float8_e4m3fn, use_ue8m0=False):
     """``(y_q, scales)``: ``y`` quantized to ``out_dtype`` with fp32 scales, as vLLM quantizes a norm's output.
 
-    * ``scale`` (a one-element fp32 tensor): static per-tensor, ``y_q = saturate(y / scale)``; ``scales`` is
-      ``scale``.
+    * ``scale`` (a one-element fp32 tensor): static per-tensor, ``y_q = saturate(y * (1 / scale))``; ``scales``
+      is ``scale``.
     * otherwise dynamic: ``scale = max(min(amax(|y|), scale_ub), floor) / fp8_max`` per row (``scales`` shaped
       ``(..., 1)``, ``floor`` = 1/512: vLLM's minimum scale ``1 / (fp8_max * 512)``) or per group of
       ``group_size`` columns (``(..., cdiv(N, group_size))``, ``floor`` = 1e-10 as ``per_token_group_quant_fp8``;
       a last group narrower than ``group_size`` covers the row's remaining columns), in fp32; ``use_ue8m0``
       rounds each scale up to a power of two (:func:`pow2_ceil`).
 
-    ``saturate`` clamps to ``[-fp8_max, fp8_max]`` before the round to nearest even, so no finite value becomes
-    infinite or NaN. NaN propagates: a NaN in a row (a group) makes its scale NaN and every element it scales NaN.
+    Every element is multiplied by the fp32 reciprocal of its scale (rounded once), as vLLM's static fused kernel
+    does, not divided by it: a kernel then spends one division per row or group instead of one per element. The
+    fp8 value differs from that of a true division only where the quotient lies within an fp32 ulp or two of a
+    rounding boundary between fp8 values (one fp8 step; a scale below fp32's normal range has an infinite
+    reciprocal, and a zero times it is NaN). ``saturate`` clamps to ``[-fp8_max, fp8_max]`` before the round to
+    nearest even, so no finite value becomes infinite or NaN. NaN propagates: a NaN in a row (a group) makes its
+    scale NaN and every element it scales NaN.
     """
     fp8_max = torch.finfo(out_dtype).max
     yf = y.float()
@@ -362,8 +367,9 @@ def quantize_fp8(y, *, scale=None, group_size=None, scale_ub=None, out_dtype=tor
         padded = torch.nn.functional.pad(yf, (0, groups * group_size - n))  # zeros never raise an amax
         amax = padded.unflatten(-1, (groups, group_size)).abs().amax(-1)
         s = _fp8_dynamic_scale(amax, scale_ub, FP8_GROUP_AMAX_FLOOR, fp8_max, use_ue8m0)
-    per_element = s if group_size is None or scale is not None else s.repeat_interleave(group_size, -1)[..., :n]
-    y_q = (yf / per_element).clamp(-fp8_max, fp8_max).to(out_dtype)
+    inv = 1.0 / s
+    per_element = inv if group_size is None or scale is not None else inv.repeat_interleave(group_size, -1)[..., :n]
+    y_q = (yf * per_element).clamp(-fp8_max, fp8_max).to(out_dtype)
     return y_q, (scale if scale is not None else s)
 
 
@@ -399,7 +405,8 @@ def rms_norm_fp8_reference(
       :func:`quantize_fp8` (scales from that rounded ``y``). ``casting_mode`` places the norm's roundings as in
       :func:`rms_norm_forward`: ``"llama"`` is vLLM's ``RMSNorm``, ``"gemma"`` with ``offset=1`` its
       ``GemmaRMSNorm``.
-    * scales are fp32 and ``y / scale`` is a true fp32 division; dynamic scales as :func:`quantize_fp8`.
+    * scales are fp32; ``y`` is multiplied by the scale's fp32 reciprocal, as :func:`quantize_fp8` says (vLLM's
+      static kernel inverts the scale too; its per-token one divides).
     * ``use_ue8m0`` is the exact smallest power of two at or above the scale. vLLM computes
       ``exp2(ceil(log2(s)))`` in fp32, which for a scale just above a power of two can round ``log2`` down to an
       integer and return the power below (the amax then saturates).

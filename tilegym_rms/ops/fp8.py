@@ -147,7 +147,7 @@ def rms_norm_fp8(
     shaped like ``x`` in ``out_dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``), ``y_q * scales`` (scales
     broadcast over their columns) approximating ``rms_norm(x, weight, eps)``.
 
-    * ``scale`` (a one-element float32 tensor on x's device): static per-tensor, ``y_q = saturate(y / scale)``;
+    * ``scale`` (a one-element float32 tensor on x's device): static per-tensor, ``y_q = saturate(y * (1 / scale))``;
       ``scales`` is ``scale``.
     * otherwise dynamic, one fp32 scale per row, ``scales`` shaped ``(*x.shape[:-1], 1)``: ``amax(|y|) /
       fp8_max``, at most ``scale_ub`` (a one-element float32 tensor) times ``1 / fp8_max`` when given, at least
