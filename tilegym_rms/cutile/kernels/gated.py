@@ -52,6 +52,16 @@ def _gate_and_slope(zf, GATE):
     return zf / e, sig * (1.0 + zf * (1.0 - sig))
 
 
+def _gate_and_slope_for_gradient(zf, GATE):
+    """:func:`_gate_and_slope` with the hardware's approximate reciprocal of ``1 + exp(-z)`` (an ulp or two) and
+    silu as ``z * sigmoid(z)``: gradients carry no bits to match, and two IEEE divisions per element (each with
+    a slow-path branch) were most of the backward's instructions and its spills ("Gated RMSNorm" in
+    PERFORMANCE.md)."""
+    sig = ct.truediv(1.0, 1.0 + ct.exp(-zf), rounding_mode=ct.RoundingMode.APPROX)
+    slope = sig * (1.0 - sig) if GATE == GATE_SIGMOID else sig * (1.0 + zf * (1.0 - sig))
+    return (sig if GATE == GATE_SIGMOID else zf * sig), slope
+
+
 def _gate(zf, CAST, GATE, dtype):
     """The gate as the forward uses it: fp32, or in ``none`` mode taken of z in ``dtype`` and rounded."""
     if CAST == CAST_NONE:
@@ -144,7 +154,7 @@ def gated_rms_norm_bwd(
         r = ct.reshape(ct.load(rstd, (t, chunk), (TILE_M, TILE_G), padding_mode=_ZERO), (TILE_M, TILE_G, 1))
         xf = _load_f32(x, (t, chunk, 0), shape, 10)
         dyf = _load_f32(dy, (t, chunk, 0), shape, 10)
-        s, slope = _gate_and_slope(_load_f32(z, (t, chunk, 0), shape, 10), GATE)
+        s, slope = _gate_and_slope_for_gradient(_load_f32(z, (t, chunk, 0), shape, 10), GATE)
         n = (xf if NORM_BEFORE_GATE else xf * s) * r
         dn = dyf * s if NORM_BEFORE_GATE else dyf
         if HAS_W:
