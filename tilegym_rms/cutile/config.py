@@ -176,7 +176,8 @@ class Heuristics:
     # beyond, 8 blocks per SM; the backward (x, z and dy live) tiles of 8192 elements, 2 blocks per SM, but one
     # row per tile from gated_bwd_one_row_min padded columns on for a single group (two such rows spill) or an
     # fp32 gate (a row of several groups with a 16-bit gate lost at one row per tile), and from
-    # gated_bwd_wide_min_row on the plain wide backward's settings.
+    # gated_bwd_wide_min_row on the plain wide backward's settings. A backward tile of several groups with a
+    # 16-bit gate takes gated_bwd_grouped_worker_warps (0: the compiler's choice) instead.
     gated_fwd_tile_elems: int = 16384
     gated_fwd_small_max_row: int = 2048
     gated_fwd_wide_tile_elems: int = 8192
@@ -187,6 +188,7 @@ class Heuristics:
     gated_bwd_wide_min_row: int = 8192
     gated_occupancy: int = 2
     gated_worker_warps: int = 8
+    gated_bwd_grouped_worker_warps: int = 0
     # Groups per tile: as many as fill this many padded columns (a wider group is a tile row of its own).
     gated_max_group_row: int = 8192
     gated_max_tile_s: int = 16384
@@ -692,6 +694,8 @@ def gated_config(
     one_row = row >= p.gated_bwd_one_row_min and (tile_g == 1 or gate_bytes == 4)
     bwd_elems = row if one_row else p.gated_bwd_tile_elems
     bwd_blocks, bwd_hints = p.gated_bwd_blocks_per_sm, hints
+    if tile_g > 1 and gate_bytes == 2 and not one_row:
+        bwd_hints = _hints(occupancy=p.gated_occupancy, num_worker_warps=p.gated_bwd_grouped_worker_warps)
     if row >= p.gated_bwd_wide_min_row:  # the plain wide backward's settings
         bwd_hints = _hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps)
         bwd_blocks = p.bwd_wide_blocks_per_sm
