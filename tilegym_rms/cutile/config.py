@@ -195,14 +195,18 @@ class Heuristics:
     # Most rows per tile: narrow groups (a 128-wide head of Qwen3-Next) fill a tile with rows, as the qk kernels'.
     gated_max_tile_m: int = 128
 
-    # FP8 output (rms_norm_fp8) on rows of fp8_min_row padded columns or more, measured on an H100 at 2048-8192
-    # columns (PERFORMANCE.md, "FP8 output"): tiles of fp8_tile_elems elements, eight worker warps at occupancy 2,
-    # fp8_blocks_per_sm blocks per SM; narrower rows take the persistent forward's settings.
+    # FP8 output (rms_norm_fp8) on rows of fp8_min_row padded columns or more, measured on an H100 at 4096 and
+    # 8192 columns (PERFORMANCE.md, "FP8 output"): tiles of fp8_tile_elems elements at occupancy 2, eight worker
+    # warps from fp8_worker_warps_min_row padded columns (the compiler's choice below), fp8_blocks_per_sm blocks
+    # per SM; with fp8_add_gather the fused add takes one row per block at every M, as the decode sizes do;
+    # narrower rows take the persistent forward's settings.
     fp8_min_row: int = 2048
     fp8_tile_elems: int = 16384
     fp8_blocks_per_sm: int = 2
     fp8_occupancy: int = 2
     fp8_worker_warps: int = 8
+    fp8_worker_warps_min_row: int = 8192
+    fp8_add_gather: bool = True
 
 
 HEURISTICS = Heuristics()
@@ -724,10 +728,17 @@ class FP8Config:
 
 
 def fp8_config(
-    m: int, n: int, group_size: int | None, num_sms: int, invariant: bool = False, params: Heuristics | None = None
+    m: int,
+    n: int,
+    group_size: int | None,
+    num_sms: int,
+    invariant: bool = False,
+    params: Heuristics | None = None,
+    add: bool = False,
 ) -> FP8Config:
-    """Tiles of the FP8 kernel for an ``(m, n)`` input: one row per block for few rows (``gather_max_rows_per_sm``,
-    the decode sizes) with the gather kernel's hints; else row tiles walked by a persistent grid (one tile per
+    """Tiles of the FP8 kernel for an ``(m, n)`` input (``add``: the fused add): one row per block for few rows
+    (``gather_max_rows_per_sm``, the decode sizes) and for the fused add from ``fp8_min_row`` padded columns
+    (``fp8_add_gather``), with the gather kernel's hints; else row tiles walked by a persistent grid (one tile per
     block left the loads' latency unhidden), with the ``fp8_*`` settings from ``fp8_min_row`` padded columns on
     and the persistent forward's below (PERFORMANCE.md, "FP8 output"). In the batch-invariant mode one row per
     block at every M: a row's place in a tile of several could change how the compiler reduces it
@@ -736,11 +747,13 @@ def fp8_config(
     tile_n = max(next_pow2(n), group_size or 1)
     if tile_n > FP8_MAX_TILE_N:
         raise ValueError(f"the FP8 kernel takes rows of at most {FP8_MAX_TILE_N} elements, got N={n}")
-    if invariant or m_bucket(m) <= p.gather_max_rows_per_sm * num_sms:
+    gather_add = add and p.fp8_add_gather and tile_n >= p.fp8_min_row
+    if invariant or gather_add or m_bucket(m) <= p.gather_max_rows_per_sm * num_sms:
         occupancy, warps = _gather_hints(tile_n, True, p)
         return FP8Config(1, tile_n, m, _hints(occupancy=occupancy, num_worker_warps=warps))
     if tile_n >= p.fp8_min_row:
-        blocks_per_sm, occupancy, warps = p.fp8_blocks_per_sm, p.fp8_occupancy, p.fp8_worker_warps
+        warps = p.fp8_worker_warps if tile_n >= p.fp8_worker_warps_min_row else 0
+        blocks_per_sm, occupancy = p.fp8_blocks_per_sm, p.fp8_occupancy
         tile_m = _tile_m(tile_n, p.fp8_tile_elems, p)
     else:
         blocks_per_sm, occupancy, warps = _persistent_class(tile_n, "fwd", p)

@@ -28,9 +28,11 @@ def fp8_launch(tgt: Target, m, n, dtype, casting_mode, has_w, add, quant, group_
     of :data:`QUANT_STATIC`, :data:`QUANT_TOKEN`, :data:`QUANT_GROUP`). ``dtype`` is x's: the tiles count
     elements, the same for every dtype."""
     del dtype
-    cfg = config.fp8_config(m, n, group_size if quant == QUANT_GROUP else None, tgt.sms, tgt.invariant)
+    grouped = group_size if quant == QUANT_GROUP else None
+    cfg = config.fp8_config(m, n, grouped, tgt.sms, tgt.invariant, add=add != ADD_NONE)
     group = group_size if quant == QUANT_GROUP else 1  # the constant of the other modes, never read
-    constants = (cfg.tile_m, cfg.tile_n, CASTING_CODES[casting_mode], has_w, add, quant, group, has_ub, ue8m0)
+    walk = cfg.grid < -(-m // cfg.tile_m)  # else each block owns exactly one tile
+    constants = (cfg.tile_m, cfg.tile_n, CASTING_CODES[casting_mode], has_w, add, quant, group, has_ub, ue8m0, walk)
     return make_launch(common.kernels().rms_norm_fp8_fwd, (cfg.grid,), constants, cfg.hints)
 
 

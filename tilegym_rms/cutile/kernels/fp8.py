@@ -42,6 +42,49 @@ def _saturate(q, fp8_max, dtype):
     return ct.astype(q, dtype)
 
 
+def _quantize_tile(
+    b,
+    x,
+    wt,
+    y_q,
+    scales,
+    residual,
+    res_out,
+    eps,
+    inv_static,
+    ub,
+    fp8_max,
+    amax_floor,
+    TILE_M,
+    TILE_N,
+    CAST,
+    ADD,
+    QUANT,
+    GROUP,
+    HAS_UB,
+    UE8M0,
+):
+    """Row tile ``b``: its ``y_q``, its scales when dynamic, and with ``ADD`` its sum."""
+    sdt = residual.dtype  # as in rms_norm_fwd_gather
+    xf = _load_input(x, residual, res_out, (b, 0), (TILE_M, TILE_N), ADD, ADD == ADD_PRE)
+    r = _rstd_from_sum_sq(_sum_sq(xf), x.shape[1], eps, CAST, sdt)
+    y = ct.astype(_normalize_as(xf, r, wt, CAST, sdt, x.dtype), _F32)  # rounded to x's dtype, as stored unfused
+    if QUANT == QUANT_STATIC:
+        q = y * inv_static
+    elif QUANT == QUANT_TOKEN:
+        amax = ct.max(ct.abs(y), axis=1, keepdims=True, propagate_nan=True)
+        s = _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0)
+        q = y * (1.0 / s)
+        ct.store(scales, (b,), ct.reshape(s, (TILE_M,)), allow_tma=False)
+    else:
+        groups = ct.reshape(y, (TILE_M, TILE_N // GROUP, GROUP))
+        amax = ct.max(ct.abs(groups), axis=2, keepdims=True, propagate_nan=True)
+        s = _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0)
+        q = ct.reshape(groups * (1.0 / s), (TILE_M, TILE_N))
+        ct.store(scales, (b, 0), ct.reshape(s, (TILE_M, TILE_N // GROUP)), allow_tma=False)
+    ct.store(y_q, (b, 0), _saturate(q, fp8_max, y_q.dtype), allow_tma=False, latency=3)
+
+
 @experimental_kernel
 @ct.kernel
 def rms_norm_fp8_fwd(
@@ -66,35 +109,27 @@ def rms_norm_fp8_fwd(
     GROUP: ct.Constant[int],
     HAS_UB: ct.Constant[bool],
     UE8M0: ct.Constant[bool],
+    WALK: ct.Constant[bool],
 ):
     """``y_q`` (fp8) and, when dynamic, ``scales`` (fp32: ``(M,)`` per row, ``(M, cdiv(N, GROUP))`` per group)
-    for each row tile it walks. ``scale_in`` (one element) is read when static, ``scale_ub`` (one element) with
-    ``HAS_UB``; otherwise each stands in for a dummy, as ``scales`` does when static. ``ADD`` (ADD_NONE or
-    ADD_PRE) as in the forward: the sum is stored into ``res_out``, which may be ``residual`` itself."""
-    sdt = residual.dtype  # as in rms_norm_fwd_gather
-    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, sdt)
+    of its row tiles: with ``WALK`` a grid-stride walk over them (the persistent walk, whose next tiles' loads the
+    compiler keeps in flight), else tile ``bid(0)`` alone (a grid of one block per tile: few rows, the
+    batch-invariant mode; without the loop the compiler builds no load ring). ``scale_in`` (one element) is read
+    when static, ``scale_ub`` (one element) with ``HAS_UB``; otherwise each stands in for a dummy, as ``scales``
+    does when static. ``ADD`` (ADD_NONE or ADD_PRE) as in the forward: the sum is stored into ``res_out``, which
+    may be ``residual`` itself."""
+    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, residual.dtype)
+    inv_static = 1.0
     if QUANT == QUANT_STATIC:
         inv_static = 1.0 / ct.reshape(ct.load(scale_in, (0,), (1,)), (1, 1))
     ub = 0.0
     if HAS_UB:
         ub = ct.reshape(ct.load(scale_ub, (0,), (1,)), (1, 1))
-    # Grid-stride over row tiles: the launch decides whether a block walks several (the persistent walk, whose
-    # next tiles' loads the compiler keeps in flight) or exactly one (few rows, the batch-invariant mode).
-    for b in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
-        xf = _load_input(x, residual, res_out, (b, 0), (TILE_M, TILE_N), ADD, ADD == ADD_PRE)
-        r = _rstd_from_sum_sq(_sum_sq(xf), x.shape[1], eps, CAST, sdt)
-        y = ct.astype(_normalize_as(xf, r, wt, CAST, sdt, x.dtype), _F32)  # rounded to x's dtype, as stored unfused
-        if QUANT == QUANT_STATIC:
-            q = y * inv_static
-        elif QUANT == QUANT_TOKEN:
-            amax = ct.max(ct.abs(y), axis=1, keepdims=True, propagate_nan=True)
-            s = _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0)
-            q = y * (1.0 / s)
-            ct.store(scales, (b,), ct.reshape(s, (TILE_M,)), allow_tma=False)
-        else:
-            groups = ct.reshape(y, (TILE_M, TILE_N // GROUP, GROUP))
-            amax = ct.max(ct.abs(groups), axis=2, keepdims=True, propagate_nan=True)
-            s = _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0)
-            q = ct.reshape(groups * (1.0 / s), (TILE_M, TILE_N))
-            ct.store(scales, (b, 0), ct.reshape(s, (TILE_M, TILE_N // GROUP)), allow_tma=False)
-        ct.store(y_q, (b, 0), _saturate(q, fp8_max, y_q.dtype), allow_tma=False, latency=3)
+    consts = (TILE_M, TILE_N, CAST, ADD, QUANT, GROUP, HAS_UB, UE8M0)
+    if WALK:
+        for b in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
+            _quantize_tile(b, x, wt, y_q, scales, residual, res_out, eps, inv_static, ub, fp8_max, amax_floor, *consts)
+    else:
+        _quantize_tile(
+            ct.bid(0), x, wt, y_q, scales, residual, res_out, eps, inv_static, ub, fp8_max, amax_floor, *consts
+        )
