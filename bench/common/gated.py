@@ -102,9 +102,10 @@ def hf_forward(x, z, w, norm_before_gate, eps, classes):
     g = group_size(n)
     fields = types.SimpleNamespace(weight=w, variance_epsilon=eps, activation="silu", group_size=g or n,
                                    n_groups=n // (g or n), norm_before_gate=norm_before_gate)  # fmt: skip
-    if not norm_before_gate:
-        return mamba2.forward(fields, x, z)
-    return (qwen3_next if g is None else falcon_h1).forward(fields, x, z)
+    if g is None:  # one group: Qwen3-Next's norm before the gate, Mamba2's after it
+        return (qwen3_next if norm_before_gate else mamba2).forward(fields, x, z)
+    # In groups, FalconH1's class in either order: Mamba2's normalizes whole rows in older transformers releases
+    return falcon_h1.forward(fields, x, z)
 
 
 def discover(names, device, eps, tilegym_rms=None, tilegym_rms_error=""):
