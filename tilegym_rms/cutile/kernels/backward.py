@@ -82,6 +82,9 @@ def rms_norm_bwd_persistent(
     writes dx, and keeps its share of dw in fp32 registers; at the end it writes row ``bid`` of
     ``dw_partial``."""
     n = x.shape[1]
+    # 1 / n once per block: a tile's per-row values are held by every thread, so a division per row costs one per
+    # element of a many-row tile (PERFORMANCE.md, "Toolchain", compiler facts).
+    inv_n = 1.0 / n
     wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
     dw_acc = _dw_zeros(TILE_M, TILE_N, DW_PER_ROW)
     if TAIL_N:
@@ -97,7 +100,7 @@ def rms_norm_bwd_persistent(
             xhat_tail, dyf_tail = _xhat_and_dy(x, dy, r, t, tail, TILE_M, TAIL_N)
             g_tail = dyf_tail * wt_tail
             dot = dot + _row_dot(xhat_tail, g_tail)
-        c = dot / n
+        c = dot * inv_n
         dx_head = _dx(g, xhat, c, r, dres, (t, 0), (TILE_M, TILE_N), HAS_DRES, dx.dtype)
         ct.store(dx, (t, 0), dx_head, allow_tma=False, latency=3)
         if TAIL_N:
@@ -139,6 +142,7 @@ def rms_norm_bwd_direct(
     second time, which at small M costs less than a second launch. No block loops over row tiles, so a row's
     dx is computed by the same code at every M (the batch-invariant mode's backward)."""
     n = x.shape[1]
+    inv_n = 1.0 / n  # see rms_norm_bwd_persistent
     row_tiles = ct.cdiv(x.shape[0], TILE_M)
     b = ct.bid(0)
     if b < row_tiles:
@@ -147,7 +151,7 @@ def rms_norm_bwd_direct(
             wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
             xhat, dyf = _xhat_and_dy(x, dy, r, b, 0, TILE_M, TILE_N)
             g = dyf * wt
-            c = _row_dot(xhat, g) / n
+            c = _row_dot(xhat, g) * inv_n
             dx_tile = _dx(g, xhat, c, r, dres, (b, 0), (TILE_M, TILE_N), HAS_DRES, dx.dtype)
             ct.store(dx, (b, 0), dx_tile, allow_tma=False)
         else:
@@ -156,7 +160,7 @@ def rms_norm_bwd_direct(
             for j in range(num_chunks):
                 xhat, dyf = _xhat_and_dy(x, dy, r, b, j, TILE_M, TILE_N)
                 acc = acc + xhat * (dyf * _effective_weight(w, j, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype))
-            c = ct.sum(acc, axis=1, keepdims=True) / n
+            c = ct.sum(acc, axis=1, keepdims=True) * inv_n
             for j in range(num_chunks):
                 xhat, dyf = _xhat_and_dy(x, dy, r, b, j, TILE_M, TILE_N)
                 g = dyf * _effective_weight(w, j, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
@@ -178,13 +182,14 @@ def rms_norm_bwd_row_dot(
 ):
     """Wide rows, step 1 of 2: ``row_dot[m] = mean(x^ * w~ * dy)`` over column chunks."""
     n = x.shape[1]
+    inv_n = 1.0 / n  # see rms_norm_bwd_persistent
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
         r = _load_row_values(rstd, t, TILE_M)
         acc = ct.zeros((TILE_M, TILE_N), dtype=_F32)
         for j in range(ct.cdiv(n, TILE_N)):
             wt = _effective_weight(w, j, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
             acc = acc + _load_f32(x, (t, j), (TILE_M, TILE_N), 10) * _load_f32(dy, (t, j), (TILE_M, TILE_N), 10) * wt
-        ct.store(row_dot, (t,), ct.reshape(ct.sum(acc, axis=1, keepdims=True) * r / n, (TILE_M,)))
+        ct.store(row_dot, (t,), ct.reshape(ct.sum(acc, axis=1, keepdims=True) * r * inv_n, (TILE_M,)))
 
 
 @experimental_kernel

@@ -89,7 +89,7 @@ def qk_rms_norm_fwd(
         _qk_fwd_tile(k, wtk, yk, rstd_k, t, eps, TILE_GK, TILE_HK, TILE_N, CAST)
 
 
-def _qk_bwd_tile(dy, x, wt, rstd, dx, dw_acc, t, TILE_G, TILE_H, TILE_N, HAS_W):
+def _qk_bwd_tile(dy, x, wt, rstd, dx, dw_acc, t, inv_d, TILE_G, TILE_H, TILE_N, HAS_W):
     """dx of one tile; returns ``dw_acc`` plus the tile's dw share (unchanged without a weight)."""
     a, g, h = _qk_tile_index(x, t, TILE_G, TILE_H)
     rows = TILE_G * TILE_H
@@ -97,7 +97,7 @@ def _qk_bwd_tile(dy, x, wt, rstd, dx, dw_acc, t, TILE_G, TILE_H, TILE_N, HAS_W):
     xhat = _load_head_rows(x, a, g, h, TILE_G, TILE_H, TILE_N) * r
     dyf = _load_head_rows(dy, a, g, h, TILE_G, TILE_H, TILE_N)
     gw = dyf * wt
-    c = _row_dot(xhat, gw) / x.shape[3]
+    c = _row_dot(xhat, gw) * inv_d
     # No residual gradient to add: dx stands in for dres, which HAS_DRES=False never reads.
     dx_tile = _dx(gw, xhat, c, r, dx, (0, 0), (rows, TILE_N), False, dx.dtype)
     _store_head_rows(dx, a, g, h, dx_tile, TILE_G, TILE_H, TILE_N)
@@ -136,11 +136,12 @@ def qk_rms_norm_bwd(
     wtk = _effective_weight(wk, 0, offset, TILE_N, HAS_WK, CAST_GEMMA, k.dtype)
     acc_q = ct.zeros((1, TILE_N), dtype=_F32)
     acc_k = ct.zeros((1, TILE_N), dtype=_F32)
+    inv_d = 1.0 / q.shape[3]  # once per block (rms_norm_bwd_persistent): a tile's rows would each divide
     num_q_tiles = _qk_num_tiles(q, TILE_GQ, TILE_HQ)
     for t in range(ct.bid(0), num_q_tiles, ct.num_blocks(0)):
-        acc_q = _qk_bwd_tile(dyq, q, wtq, rstd_q, dq, acc_q, t, TILE_GQ, TILE_HQ, TILE_N, HAS_WQ)
+        acc_q = _qk_bwd_tile(dyq, q, wtq, rstd_q, dq, acc_q, t, inv_d, TILE_GQ, TILE_HQ, TILE_N, HAS_WQ)
     for t in range(_first_k_tile(num_q_tiles), _qk_num_tiles(k, TILE_GK, TILE_HK), ct.num_blocks(0)):
-        acc_k = _qk_bwd_tile(dyk, k, wtk, rstd_k, dk, acc_k, t, TILE_GK, TILE_HK, TILE_N, HAS_WK)
+        acc_k = _qk_bwd_tile(dyk, k, wtk, rstd_k, dk, acc_k, t, inv_d, TILE_GK, TILE_HK, TILE_N, HAS_WK)
     if HAS_WQ:
         ct.store(dw_partial, (ct.bid(0), 0, 0), ct.reshape(acc_q, (1, 1, TILE_N)), allow_tma=False)
     if HAS_WK:
