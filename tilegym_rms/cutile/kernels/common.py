@@ -58,7 +58,13 @@ def _sum_sq(xf):
 def _rstd_from_sum_sq(sum_sq, n, eps, CAST, dtype):
     """``1 / sqrt(sum_sq / n + eps)`` in fp32; ``none`` mode rounds rstd to ``dtype`` (the mean square
     stays fp32: in fp16 it would overflow)."""
-    r = ct.rsqrt(sum_sq / n + eps)
+    return _rstd_from_mean_sq(sum_sq / n, eps, CAST, dtype)
+
+
+def _rstd_from_mean_sq(mean_sq, eps, CAST, dtype):
+    """:func:`_rstd_from_sum_sq` of a mean square computed by the caller (``sum_sq * (1 / n)`` for a
+    power-of-two ``n`` known at compile time: the same bits as the division, without its per-row cost)."""
+    r = ct.rsqrt(mean_sq + eps)
     if CAST == CAST_NONE:
         return _round_to(r, dtype)
     return r

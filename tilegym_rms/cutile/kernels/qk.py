@@ -17,7 +17,17 @@ import cuda.tile as ct
 
 from ...experimental import experimental_kernel
 from .backward import _dw_rows, _dx, _row_dot
-from .common import _F32, _ZERO, CAST_GEMMA, _effective_weight, _load_f32, _normalize, _rstd_from_sum_sq, _sum_sq
+from .common import (
+    _F32,
+    _ZERO,
+    CAST_GEMMA,
+    _effective_weight,
+    _load_f32,
+    _normalize,
+    _rstd_from_mean_sq,
+    _rstd_from_sum_sq,
+    _sum_sq,
+)
 
 
 def _qk_num_tiles(x, TILE_G, TILE_H):
@@ -48,10 +58,15 @@ def _store_head_rows(y, a, g, h, tile, TILE_G, TILE_H, TILE_N):
     ct.store(y, (a, g, h, 0), ct.reshape(tile, (1, TILE_G, TILE_H, TILE_N)), allow_tma=False, latency=3)
 
 
-def _qk_fwd_tile(x, wt, y, rstd, t, eps, TILE_G, TILE_H, TILE_N, CAST):
+def _qk_fwd_tile(x, wt, y, rstd, t, eps, TILE_G, TILE_H, TILE_N, CAST, EXACT_D):
     a, g, h = _qk_tile_index(x, t, TILE_G, TILE_H)
     xf = _load_head_rows(x, a, g, h, TILE_G, TILE_H, TILE_N)
-    r = _rstd_from_sum_sq(_sum_sq(xf), x.shape[3], eps, CAST, x.dtype)
+    # With D == TILE_N (``EXACT_D``, a power of two) the mean multiplies by 1 / D: the division's bits without its
+    # cost, which every thread pays for every row of the tile (PERFORMANCE.md, "Compiler facts").
+    if EXACT_D:
+        r = _rstd_from_mean_sq(_sum_sq(xf) * (1.0 / TILE_N), eps, CAST, x.dtype)
+    else:
+        r = _rstd_from_sum_sq(_sum_sq(xf), x.shape[3], eps, CAST, x.dtype)
     _store_head_rows(y, a, g, h, _normalize(xf, r, wt, CAST, y.dtype), TILE_G, TILE_H, TILE_N)
     ct.store(rstd, (a, g, h), ct.reshape(r, (1, TILE_G, TILE_H)), allow_tma=False)
 
@@ -77,16 +92,17 @@ def qk_rms_norm_fwd(
     CAST: ct.Constant[int],
     HAS_WQ: ct.Constant[bool],
     HAS_WK: ct.Constant[bool],
+    EXACT_D: ct.Constant[bool],
 ):
     """Both weights are loaded once per block; then the block normalizes its q tiles and its k tiles
-    (``TILE_N >= D``), storing rstd of every row."""
+    (``TILE_N >= D``; ``EXACT_D``: ``TILE_N == D``), storing rstd of every row."""
     wtq = _effective_weight(wq, 0, offset, TILE_N, HAS_WQ, CAST, q.dtype)
     wtk = _effective_weight(wk, 0, offset, TILE_N, HAS_WK, CAST, k.dtype)
     num_q_tiles = _qk_num_tiles(q, TILE_GQ, TILE_HQ)
     for t in range(ct.bid(0), num_q_tiles, ct.num_blocks(0)):
-        _qk_fwd_tile(q, wtq, yq, rstd_q, t, eps, TILE_GQ, TILE_HQ, TILE_N, CAST)
+        _qk_fwd_tile(q, wtq, yq, rstd_q, t, eps, TILE_GQ, TILE_HQ, TILE_N, CAST, EXACT_D)
     for t in range(_first_k_tile(num_q_tiles), _qk_num_tiles(k, TILE_GK, TILE_HK), ct.num_blocks(0)):
-        _qk_fwd_tile(k, wtk, yk, rstd_k, t, eps, TILE_GK, TILE_HK, TILE_N, CAST)
+        _qk_fwd_tile(k, wtk, yk, rstd_k, t, eps, TILE_GK, TILE_HK, TILE_N, CAST, EXACT_D)
 
 
 def _qk_bwd_tile(dy, x, wt, rstd, dx, dw_acc, t, inv_d, TILE_G, TILE_H, TILE_N, HAS_W):
