@@ -30,8 +30,8 @@ def fp8_launch(tgt: Target, m, n, dtype, casting_mode, has_w, add, quant, group_
     del dtype
     grouped = group_size if quant == QUANT_GROUP else None
     cfg = config.fp8_config(m, n, grouped, tgt.sms, tgt.invariant, add=add != ADD_NONE)
-    group = group_size if quant == QUANT_GROUP else 1  # the constant of the other modes, never read
-    walk = cfg.grid < -(-m // cfg.tile_m)  # else each block owns exactly one tile
+    group = grouped or 1  # the constant of the other modes, never read
+    walk = cfg.grid < config.cdiv(m, cfg.tile_m)  # else each block owns exactly one tile
     constants = (cfg.tile_m, cfg.tile_n, CASTING_CODES[casting_mode], has_w, add, quant, group, has_ub, ue8m0, walk)
     return make_launch(common.kernels().rms_norm_fp8_fwd, (cfg.grid,), constants, cfg.hints)
 
@@ -45,7 +45,7 @@ def start(fl: Launch, x, residual, weight, scale, scale_ub, out_dtype, group_siz
     y_q = torch.empty((m, n), dtype=out_dtype, device=x.device)
     scales = None
     if scale is None:
-        groups = 1 if group_size is None else -(-n // group_size)
+        groups = 1 if group_size is None else config.cdiv(n, group_size)
         scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     x = plain(x)
     # The kernel writes per-row scales as a vector; a static call writes none and reads scale instead. Arguments a

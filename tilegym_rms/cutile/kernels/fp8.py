@@ -1,8 +1,9 @@
 """RMSNorm (and the fused add) with its output quantized to fp8, in one pass (rms_norm_fp8,
 fused_add_rms_norm_fp8): the norm's y, rounded to x's dtype, quantized in the same pass
 (reference.quantize_fp8). QUANT: a static scale, dynamic per-row scales, or per group of GROUP columns
-(scales shaped (M, cdiv(N, GROUP))). A block owns TILE_M whole rows (TILE_N >= N) and loops over nothing, so
-a row's code never depends on M. Padded columns load as zeros, whose y is 0: they never raise an amax, and
+(scales shaped (M, cdiv(N, GROUP))). A tile is TILE_M whole rows (TILE_N >= N); a block walks several tiles
+(WALK) or runs one, without the loop, so that in one-row-per-block launches a row's code never depends on M.
+Padded columns load as zeros, whose y is 0: they never raise an amax, and
 the stores drop them (and the scales of groups past the row's end). Each element is multiplied by its scale's
 reciprocal (reference.quantize_fp8): an IEEE division per element, with its slow-path branch, was a third of the
 dynamic builds' instructions ("FP8 output" in PERFORMANCE.md).

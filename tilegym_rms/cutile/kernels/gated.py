@@ -47,9 +47,14 @@ def _gate_and_slope(zf, GATE):
     sigmoid(z)))``."""
     e = 1.0 + ct.exp(-zf)
     sig = 1.0 / e
+    return (sig if GATE == GATE_SIGMOID else zf / e), _slope(zf, sig, GATE)
+
+
+def _slope(zf, sig, GATE):
+    """The gate's derivative from ``sig = sigmoid(z)``."""
     if GATE == GATE_SIGMOID:
-        return sig, sig * (1.0 - sig)
-    return zf / e, sig * (1.0 + zf * (1.0 - sig))
+        return sig * (1.0 - sig)
+    return sig * (1.0 + zf * (1.0 - sig))
 
 
 def _gate_and_slope_for_gradient(zf, GATE):
@@ -58,8 +63,7 @@ def _gate_and_slope_for_gradient(zf, GATE):
     a slow-path branch) were most of the backward's instructions and its spills ("Gated RMSNorm" in
     PERFORMANCE.md)."""
     sig = ct.truediv(1.0, 1.0 + ct.exp(-zf), rounding_mode=ct.RoundingMode.APPROX)
-    slope = sig * (1.0 - sig) if GATE == GATE_SIGMOID else sig * (1.0 + zf * (1.0 - sig))
-    return (sig if GATE == GATE_SIGMOID else zf * sig), slope
+    return (sig if GATE == GATE_SIGMOID else zf * sig), _slope(zf, sig, GATE)
 
 
 def _gate(zf, CAST, GATE, dtype):
