@@ -581,7 +581,7 @@ def expected_launch(cand, m, n, add):
     )
     if cand.kernel == "gather":
         return "rms_norm_fwd_gather", (cand.tile_n, 0, True, cfg.single_tile, True, add), hints
-    return "rms_norm_fwd_persistent", (cand.tile_m, cand.tile_n, cand.tail_n, 0, True, add), hints
+    return "rms_norm_fwd_persistent", (cand.tile_m, cand.tile_n, cand.tail_n, 0, True, add, n == cand.tile_n), hints
 
 
 def test_fused_forward_takes_its_entry_then_the_forward_entry_then_the_heuristics(host):

@@ -46,7 +46,8 @@ def forward_launch(tgt: Target, m, n, dtype, kernel, casting_mode, has_w, store_
         constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd, add)
     else:
         kernel, grid = k.rms_norm_fwd_persistent, (cfg.grid,)
-        constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add)
+        exact_n = n == cfg.tile_n  # a power of two (tiles are), the row one tile without a tail
+        constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add, exact_n)
     allocates_rstd = store_rstd or cfg.kernel != "gather"
     return make_launch(kernel, grid, constants, cfg.hints, ForwardLaunch, rows=m, allocates_rstd=allocates_rstd)
 

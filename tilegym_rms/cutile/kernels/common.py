@@ -62,12 +62,20 @@ def _rstd_from_sum_sq(sum_sq, n, eps, CAST, dtype):
 
 
 def _rstd_from_mean_sq(mean_sq, eps, CAST, dtype):
-    """:func:`_rstd_from_sum_sq` of a mean square computed by the caller (``sum_sq * (1 / n)`` for a
-    power-of-two ``n`` known at compile time: the same bits as the division, without its per-row cost)."""
+    """:func:`_rstd_from_sum_sq` of a mean square computed by the caller."""
     r = ct.rsqrt(mean_sq + eps)
     if CAST == CAST_NONE:
         return _round_to(r, dtype)
     return r
+
+
+def _rstd_of_rows(sum_sq, n, eps, CAST, dtype, EXACT_N, TILE_N):
+    """:func:`_rstd_from_sum_sq` of rows of ``n`` columns. ``EXACT_N``: ``n == TILE_N``, a power of two, and the mean
+    multiplies by ``1 / TILE_N``, exact at compile time: the division's bits without the division that every thread
+    computes for every row of a many-row tile (PERFORMANCE.md, "Compiler facts")."""
+    if EXACT_N:
+        return _rstd_from_mean_sq(sum_sq * (1.0 / TILE_N), eps, CAST, dtype)
+    return _rstd_from_sum_sq(sum_sq, n, eps, CAST, dtype)
 
 
 def _normalize(xf, r, wt, CAST, dtype):

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from .common import _F32, ADD_PRE, _effective_weight, _load_input, _normalize_as, _rstd_from_sum_sq, _sum_sq
+from .common import (
+    _F32,
+    ADD_PRE,
+    _effective_weight,
+    _load_input,
+    _normalize_as,
+    _rstd_from_sum_sq,
+    _rstd_of_rows,
+    _sum_sq,
+)
 
 
 @ct.kernel
@@ -66,10 +75,12 @@ def rms_norm_fwd_persistent(
     CAST: ct.Constant[int],
     HAS_W: ct.Constant[bool],
     ADD: ct.Constant[int],
+    EXACT_N: ct.Constant[bool],
 ):
     """Static persistent: the weight is loaded once per block, which then grid-strides over
     ``TILE_M x TILE_N`` row tiles (``TILE_N >= N``), or over rows held as a tile plus a narrower tail
-    tile (``TAIL_N > 0``: columns ``[TILE_N, TILE_N + TAIL_N)``, as in the backward)."""
+    tile (``TAIL_N > 0``: columns ``[TILE_N, TILE_N + TAIL_N)``, as in the backward). ``EXACT_N``: N is
+    ``TILE_N`` (``_rstd_of_rows``)."""
     n = x.shape[1]
     sdt = residual.dtype  # as in rms_norm_fwd_gather
     store_sum = ADD == ADD_PRE
@@ -83,7 +94,7 @@ def rms_norm_fwd_persistent(
         if TAIL_N:
             xf_tail = _load_input(x, residual, res_out, (t, tail), (TILE_M, TAIL_N), ADD, store_sum)
             sum_sq = sum_sq + _sum_sq(xf_tail)
-        r = _rstd_from_sum_sq(sum_sq, n, eps, CAST, sdt)
+        r = _rstd_of_rows(sum_sq, n, eps, CAST, sdt, EXACT_N, TILE_N)
         ct.store(y, (t, 0), _normalize_as(xf, r, wt, CAST, sdt, y.dtype), allow_tma=False, latency=3)
         if TAIL_N:
             y_tail = _normalize_as(xf_tail, r, wt_tail, CAST, sdt, y.dtype)

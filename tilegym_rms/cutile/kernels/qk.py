@@ -24,8 +24,7 @@ from .common import (
     _effective_weight,
     _load_f32,
     _normalize,
-    _rstd_from_mean_sq,
-    _rstd_from_sum_sq,
+    _rstd_of_rows,
     _sum_sq,
 )
 
@@ -61,12 +60,7 @@ def _store_head_rows(y, a, g, h, tile, TILE_G, TILE_H, TILE_N):
 def _qk_fwd_tile(x, wt, y, rstd, t, eps, TILE_G, TILE_H, TILE_N, CAST, EXACT_D):
     a, g, h = _qk_tile_index(x, t, TILE_G, TILE_H)
     xf = _load_head_rows(x, a, g, h, TILE_G, TILE_H, TILE_N)
-    # With D == TILE_N (``EXACT_D``, a power of two) the mean multiplies by 1 / D: the division's bits without its
-    # cost, which every thread pays for every row of the tile (PERFORMANCE.md, "Compiler facts").
-    if EXACT_D:
-        r = _rstd_from_mean_sq(_sum_sq(xf) * (1.0 / TILE_N), eps, CAST, x.dtype)
-    else:
-        r = _rstd_from_sum_sq(_sum_sq(xf), x.shape[3], eps, CAST, x.dtype)
+    r = _rstd_of_rows(_sum_sq(xf), x.shape[3], eps, CAST, x.dtype, EXACT_D, TILE_N)
     _store_head_rows(y, a, g, h, _normalize(xf, r, wt, CAST, y.dtype), TILE_G, TILE_H, TILE_N)
     ct.store(rstd, (a, g, h), ct.reshape(r, (1, TILE_G, TILE_H)), allow_tma=False)
 
