@@ -9,7 +9,7 @@ Each case launches one kernel class through the product's host code (``tilegym_r
 ``backward``, or the host's dw reduction launch), checks the outputs against the float64 reference
 (``tilegym_rms.reference``) and prints one line; the run ends with ``N passed, N failed`` and exits 1 on any
 failure (2 without a usable GPU). A case whose configuration no longer matches its class (after a change to
-``tilegym_rms/cutile/config.py``) fails its case instead of silently testing another kernel.
+``tilegym_rms/cutile/config/``) fails its case instead of silently testing another kernel.
 
 Classes (``--kernels`` takes class names, kernel names, ``forward``, ``backward``, ``racecheck`` or ``all``):
 

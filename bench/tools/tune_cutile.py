@@ -1,4 +1,4 @@
-"""Sweep the cuTile heuristics (``tilegym_rms/cutile/config.py``) on a GPU.
+"""Sweep the cuTile heuristics (``tilegym_rms/cutile/config/``) on a GPU.
 
 Each ``--set NAME=v1,v2`` names an integer parameter of the analytic heuristics (a field of
 ``config.Heuristics``, any case; the tuning table is off then); each ``--hint NAME=v1,v2`` a cuTile compiler

@@ -1,0 +1,78 @@
+"""Gated RMSNorm's launches (gated_rms_norm): tiles of rows by whole groups, grid axis 1 over chunks of groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..._tiling import cdiv, next_pow2, prev_pow2
+from .heuristics import Hints, current, m_bucket, make_hints
+
+
+@dataclass(frozen=True)
+class GatedLaunch:
+    """One gated kernel's tiles, grid and hints."""
+
+    tile_m: int
+    tile_g: int  # groups per tile (a power of two; the last chunk may be padded)
+    grid: tuple[int, int]  # (persistent over row tiles, chunks of tile_g groups)
+    hints: Hints = ()
+
+
+@dataclass(frozen=True)
+class GatedConfig:
+    tile_s: int  # next_pow2(group size)
+    fwd: GatedLaunch
+    bwd: GatedLaunch  # its grid[0] is also the rows of the (grid, N) dw partial buffer
+
+
+def gated_config(
+    m: int,
+    n: int,
+    group_size: int,
+    dtype: torch.dtype,
+    num_sms: int,
+    invariant: bool = False,
+    gate_dtype: torch.dtype | None = None,
+) -> GatedConfig | None:
+    """Tiles, grids and hints of the gated kernels for ``m`` rows of ``n`` columns of ``dtype`` in groups of
+    ``group_size``, gated by a ``gate_dtype`` tensor (None: ``dtype``), tiles from M's bucket, grids from M; or
+    None for a group wider than ``gated_max_tile_s`` (the host then runs the torch math). In the batch-invariant
+    mode a tile is one row and the forward gives each row tile a block of its own, whatever M."""
+    p = current()
+    gate_bytes = (gate_dtype or dtype).itemsize
+    tile_s = next_pow2(group_size)
+    if tile_s > p.gated_max_tile_s:
+        return None
+    groups = n // group_size
+    tile_g = min(next_pow2(groups), max(1, p.gated_max_group_row // tile_s))
+    chunks, row = cdiv(groups, tile_g), tile_g * tile_s  # row: a tile row's padded columns
+
+    def launch(tile_elems, blocks_per_sm, hints, one_tile_per_block=False):
+        by_rows = prev_pow2(max(m_bucket(m) * chunks // max(num_sms, 1), 1))  # a tile for every SM first
+        by_size = prev_pow2(max(tile_elems // row, 1))
+        tile_m = 1 if invariant else max(1, min(p.gated_max_tile_m, by_size, by_rows))
+        # Blocks over both axes: about blocks_per_sm per SM, at most one per row tile.
+        grid = cdiv(m, tile_m)
+        if not one_tile_per_block:
+            grid = min(max(num_sms * blocks_per_sm // chunks, 1), grid)
+        return GatedLaunch(tile_m, tile_g, (max(1, grid), chunks), hints)
+
+    hints = make_hints(occupancy=p.gated_occupancy, num_worker_warps=p.gated_worker_warps)
+    fwd_elems = p.gated_fwd_tile_elems if row <= p.gated_fwd_small_max_row else p.gated_fwd_wide_tile_elems
+    one_row = row >= p.gated_bwd_one_row_min and (tile_g == 1 or gate_bytes == 4)
+    bwd_elems = row if one_row else p.gated_bwd_tile_elems
+    bwd_blocks, bwd_hints = p.gated_bwd_blocks_per_sm, hints
+    # The batch-invariant mode keeps eight warps: with the compiler's choice a row reached in a later iteration of
+    # the row loop came out an ulp apart (PERFORMANCE.md, "Batch invariance").
+    if tile_g > 1 and gate_bytes == 2 and not invariant:  # never one row: that takes a single group or fp32
+        bwd_hints = make_hints(occupancy=p.gated_occupancy, num_worker_warps=p.gated_bwd_grouped_worker_warps)
+    if row >= p.gated_bwd_wide_min_row:  # the plain wide backward's settings
+        bwd_hints = make_hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps)
+        bwd_blocks = p.bwd_wide_blocks_per_sm
+    return GatedConfig(
+        tile_s,
+        launch(fwd_elems, p.gated_fwd_blocks_per_sm, hints, invariant),
+        launch(bwd_elems, bwd_blocks, bwd_hints),
+    )

@@ -1,0 +1,231 @@
+"""The analytic heuristics' parameters (:class:`Heuristics`), the ones in force (:func:`current`,
+:func:`override`) and the small vocabulary every launch configuration shares (:data:`Hints`, :func:`m_bucket`)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+from ..._tiling import next_pow2
+
+
+@dataclass(frozen=True)
+class Heuristics:
+    """The analytic heuristics' parameters (the fallback where no tuning table has an entry, see
+    :mod:`tilegym_rms.cutile.tuning`). Defaults are the constants fitted on H100/H200;
+    ``bench/tools/tune_cutile.py --set`` and ``bench/tools/sanitize.py`` run with other values through
+    :func:`override`."""
+
+    # Widest row kept in registers as one tile; wider rows take the column-chunked kernels. A whole row per
+    # block streams faster than chunks that read it twice (PERFORMANCE.md, "Wide rows"). The persistent
+    # forward takes tiles up to fwd_max_persistent_tile_n (wider rows always take the gather kernel, see
+    # gather_min_n).
+    fwd_max_single_tile_n: int = 32768
+    fwd_max_persistent_tile_n: int = 16384
+    bwd_max_single_tile_n: int = 16384
+    # Column chunk of the chunked kernels and rows per chunked backward tile: enough bytes in flight per
+    # block, while few rows in flight keep a row's second read in L2 (PERFORMANCE.md, "Wide rows").
+    fwd_chunk_n: int = 16384
+    bwd_chunk_n: int = 4096
+    bwd_chunk_tile_m: int = 4
+    # Elements per tile that the forward / backward aim for (enough bytes in flight per block; wide
+    # backward tiles take two rows per step, narrow ones lose with bigger tiles: PERFORMANCE.md, "Forward"
+    # and "Backward").
+    fwd_tile_elems: int = 16384
+    # The persistent forward holds rows as a tile plus a tail tile (see split_row) once the padded tile
+    # would be this wide: narrower rows lost with the split (PERFORMANCE.md, "Forward").
+    fwd_split_min_tile_n: int = 16384
+    bwd_narrow_tile_elems: int = 8192
+    bwd_wide_tile_elems: int = 16384
+    max_tile_m: int = 16
+    # Persistent grids: blocks launched per SM (at most one per row tile) and two compiler hints, for
+    # narrow rows (at most narrow_max_row padded columns) and wide ones: ``occupancy``, the blocks per SM
+    # the compiler sizes its registers for, and ``num_worker_warps``, the warps of one block (0: the
+    # compiler's choice). Left to itself the compiler built narrow tiles for too few blocks, while wide
+    # tiles lose when forced to share an SM (PERFORMANCE.md, "Forward" and "Backward").
+    narrow_max_row: int = 6144  # widest row (padded: tile plus tail tile) of the narrow class
+    fwd_narrow_blocks_per_sm: int = 2
+    fwd_narrow_occupancy: int = 2
+    fwd_narrow_worker_warps: int = 0
+    fwd_wide_blocks_per_sm: int = 2
+    fwd_wide_occupancy: int = 0
+    fwd_wide_worker_warps: int = 0
+    # Rows of at most 1024 columns: more blocks per SM, still built for occupancy 2 (the extra blocks
+    # queue and hide the short rows' latency; PERFORMANCE.md, "Forward").
+    fwd_tiny_tile_n: int = 1024
+    fwd_tiny_blocks_per_sm: int = 8
+    # Short 16-bit rows (at most fwd_short_max_row padded columns: head dims, QK-norm through the plain
+    # norm) are latency-bound per tile: the forward gains most from an occupancy hint that lets more blocks
+    # stay resident (fwd_short_occupancy, by the widest padded row it applies to), and from fwd_short_many_m
+    # rows on from about one row tile per block (PERFORMANCE.md, "Narrow rows"). Measured on bf16 and fp16
+    # only.
+    fwd_short_max_row: int = 256
+    fwd_short_occupancy: tuple[tuple[int, int], ...] = ((64, 8), (256, 4))
+    fwd_short_many_m: int = 1 << 20
+    fwd_short_many_blocks_per_sm: int = 128
+    # Backward rows of at most bwd_short_max_row padded columns take bwd_short_tile_m rows per tile (more
+    # than max_tile_m: x and dy of one such tile are only a few KB; every dtype: PERFORMANCE.md, "Narrow
+    # rows").
+    bwd_short_max_row: int = 128
+    bwd_short_tile_m: int = 32
+    # Persistent backward tiles of more than one row and at most this many columns (tile plus tail) keep dw
+    # as one fp32 accumulator per tile row (kernels.DW_PER_ROW), summed once at the end rather than summed
+    # over the tile's rows at every step; 0: never. From bwd_dw_per_row_many_m rows on, rows narrower than
+    # bwd_dw_per_row_many_m_min_row sum each tile at once again, which measured faster there (PERFORMANCE.md,
+    # "dw partials and the reduction").
+    bwd_dw_per_row_max_row: int = 512
+    bwd_dw_per_row_many_m: int = 1 << 21
+    bwd_dw_per_row_many_m_min_row: int = 128
+    bwd_narrow_blocks_per_sm: int = 2
+    bwd_narrow_occupancy: int = 2
+    bwd_narrow_worker_warps: int = 0
+    # Wide backward tiles (up to 16384 columns of x and dy in registers) spill without 8 warps
+    # (PERFORMANCE.md, "Wide rows").
+    bwd_wide_blocks_per_sm: int = 1
+    bwd_wide_occupancy: int = 1
+    bwd_wide_worker_warps: int = 8
+    # The forward uses the gather kernel (one row per block) while M is at most this many rows per SM:
+    # a block per row spreads few rows widest, and the inference forward then skips the rstd allocation
+    # (PERFORMANCE.md, "Forward").
+    gather_max_rows_per_sm: int = 4
+    # From gather_preferred_min_m rows on, rows of gather_preferred_min_n to gather_preferred_max_n columns
+    # take the gather kernel (PERFORMANCE.md, "Forward"); narrower rows and single waves stay persistent,
+    # wider ones below gather_min_n (e.g. 12288) keep the split persistent tile.
+    gather_preferred_min_n: int = 2048
+    gather_preferred_max_n: int = 8192
+    # ...except 16-bit rows that fill less than this share of their padded tile (bf16 5120): with the
+    # gather kernel their speed varied between processes (PERFORMANCE.md, "Forward").
+    gather_preferred_min_fill_16bit: float = 0.75
+    gather_preferred_min_m: int = 16384
+    # From this row width on the gather kernel is used at every M (PERFORMANCE.md, "Forward"); padded widths
+    # below it stay persistent, where the split tile wins.
+    gather_min_n: int = 16384
+    # Compiler hints of the gather kernel, ``(occupancy, num_worker_warps)`` (0: the compiler's choice),
+    # by the widest single tile they apply to. Its blocks are short-lived, so several per SM keep rows in
+    # flight, as many as the registers of a whole row allow (PERFORMANCE.md, "Forward" and "Wide rows").
+    gather_single_tile_hints: tuple[tuple[int, int, int], ...] = (
+        (2048, 8, 0),
+        (4096, 8, 8),
+        (8192, 4, 0),
+        (16384, 2, 0),
+        (32768, 1, 8),
+    )
+    gather_chunked_hints: tuple[int, int] = (1, 8)  # fwd_chunk_n-wide chunks, see there
+
+    # Few rows (at most this many per SM) of at most bwd_direct_max_tile_n padded columns: the backward is one
+    # launch, rms_norm_bwd_direct, whose extra blocks sum dw strips over all rows, instead of the persistent
+    # kernel, a partial buffer and the reduction; wider rows lost, the strips' M-row walk being the long
+    # pole (PERFORMANCE.md, "Backward", "Strategies"). Strips: at least one per SM where N allows, and about
+    # bwd_direct_strip_elems elements of x and of dy per step.
+    bwd_direct_max_rows_per_sm: int = 4
+    bwd_direct_max_tile_n: int = 4096
+    bwd_direct_min_strip_n: int = 16
+    bwd_direct_max_strip_n: int = 64
+    bwd_direct_strip_elems: int = 4096
+
+    # Final dw reduction: each block owns a strip of columns and sums all partial rows. The strip is
+    # narrow enough that there are at least as many blocks as SMs: with 256-column strips a 2048-wide dw
+    # had 8 blocks walking 264 partial rows one after another. 32 fp32 columns are one 128-byte line per
+    # row, already a full memory transaction; wider strips would only cut the number of blocks. Each step
+    # loads about reduce_tile_elems fp32 values.
+    reduce_min_tile_n: int = 16
+    reduce_max_tile_n: int = 32
+    reduce_tile_elems: int = 4096
+
+    # QK-norm (qk_rms_norm): head dims are short (64-256), so the whole head is one tile (TILE_N =
+    # next_pow2(D)) and a tile holds many rows. Widest head dim the one-tile qk kernels serve.
+    qk_max_tile_n: int = 1024
+    # Elements per tile, forward and backward: the plain norm's narrow-row sizes, whose best tiles carried
+    # 16384 (forward) and 8192 (backward: x and dy live) elements (PERFORMANCE.md, "Forward" and "Backward").
+    qk_fwd_tile_elems: int = 16384
+    qk_bwd_tile_elems: int = 8192
+    # Fewest rows per tile: below it a tile's loads are too short to hide latency; above qk_max_tile_m the
+    # row reductions of one tile get long for no more bytes in flight (256 rows of 64 bf16 = 32 KB).
+    qk_min_tile_m: int = 16
+    qk_max_tile_m: int = 256
+    # Heads per tile where a tile spans tokens and heads (G > 1, see qk_tile_split): the tile then reads
+    # TILE_G runs of TILE_H * D elements of a tensor whose heads are contiguous (a projection output, a qkv
+    # slice) and TILE_H runs of TILE_G * D of one whose tokens are (a gradient from a (B, H, S, D) consumer):
+    # 16 keeps both runs 1 KB or more at D 64 in 16 bits with the backward's 64-row tiles (PERFORMANCE.md,
+    # "QK-norm").
+    qk_tile_h: int = 16
+    # Blocks per SM and occupancy: the plain norm's settings for rows of at most 1024 columns (forward) and for
+    # narrow backward rows (PERFORMANCE.md, "Forward" and "Backward").
+    qk_fwd_blocks_per_sm: int = 8
+    qk_fwd_occupancy: int = 2
+    qk_bwd_blocks_per_sm: int = 2
+    qk_bwd_occupancy: int = 2
+
+    # Gated RMSNorm (gated_rms_norm): a tile is rows of whole groups, each padded to next_pow2(group size); a
+    # group is at most gated_max_tile_s padded columns (wider ones run the reference's torch math). Measured on
+    # an H100 at 2048-8192 columns (PERFORMANCE.md, "Gated RMSNorm"): both kernels want eight worker warps at
+    # occupancy 2; the forward tiles of 16384 elements up to gated_fwd_small_max_row padded columns and 8192
+    # beyond, 8 blocks per SM; the backward (x, z and dy live) tiles of 8192 elements, 2 blocks per SM, but one
+    # row per tile from gated_bwd_one_row_min padded columns on for a single group (two such rows spill) or an
+    # fp32 gate (a row of several groups with a 16-bit gate lost at one row per tile), and from
+    # gated_bwd_wide_min_row on the plain wide backward's settings. A backward tile of several groups with a
+    # 16-bit gate takes gated_bwd_grouped_worker_warps (0: the compiler's choice) instead.
+    gated_fwd_tile_elems: int = 16384
+    gated_fwd_small_max_row: int = 2048
+    gated_fwd_wide_tile_elems: int = 8192
+    gated_fwd_blocks_per_sm: int = 8
+    gated_bwd_tile_elems: int = 8192
+    gated_bwd_one_row_min: int = 4096
+    gated_bwd_blocks_per_sm: int = 2
+    gated_bwd_wide_min_row: int = 8192
+    gated_occupancy: int = 2
+    gated_worker_warps: int = 8
+    gated_bwd_grouped_worker_warps: int = 0
+    # Groups per tile: as many as fill this many padded columns (a wider group is a tile row of its own).
+    gated_max_group_row: int = 8192
+    gated_max_tile_s: int = 16384
+    # Most rows per tile: narrow groups (a 128-wide head of Qwen3-Next) fill a tile with rows, as the qk kernels'.
+    gated_max_tile_m: int = 128
+
+    # FP8 output (rms_norm_fp8) on rows of fp8_min_row padded columns or more, measured on an H100 at 4096 and
+    # 8192 columns (PERFORMANCE.md, "FP8 output"): tiles of fp8_tile_elems elements at occupancy 2, eight worker
+    # warps from fp8_worker_warps_min_row padded columns (the compiler's choice below), fp8_blocks_per_sm blocks
+    # per SM; with fp8_add_gather the fused add takes one row per block at every M, as the decode sizes do;
+    # narrower rows take the persistent forward's settings.
+    fp8_min_row: int = 2048
+    fp8_tile_elems: int = 16384
+    fp8_blocks_per_sm: int = 2
+    fp8_occupancy: int = 2
+    fp8_worker_warps: int = 8
+    fp8_worker_warps_min_row: int = 8192
+    fp8_add_gather: bool = True
+
+
+_current = Heuristics()
+
+
+def current() -> Heuristics:
+    """The parameters in force: the defaults, or those of an enclosing :func:`override`."""
+    return _current
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """Runs the analytic heuristics with some parameters changed (``bench/tools/tune_cutile.py --set``,
+    ``bench/tools/sanitize.py``); the caller clears the host caches (``tilegym_rms.cutile.clear_caches``)."""
+    global _current
+    saved = _current
+    _current = replace(saved, **changes)
+    try:
+        yield _current
+    finally:
+        _current = saved
+
+
+# Compiler hints of one kernel launch, as sorted ``(name, value)`` pairs (hashable: a cache key).
+Hints = tuple[tuple[str, int], ...]
+
+
+def make_hints(**values: int) -> Hints:
+    """The hints that are set (0 means: leave it to the compiler)."""
+    return tuple(sorted((k, v) for k, v in values.items() if v))
+
+
+def m_bucket(m: int) -> int:
+    """M rounded up to a power of two: configurations are cached per bucket, not per M."""
+    return next_pow2(max(m, 1))
