@@ -130,9 +130,10 @@ def test_cutile_mode_backward_widths():
             assert cfg.tile_n == p.bwd_chunk_n
 
 
-def test_cutile_mode_refuses_the_persistent_forward():
-    with pytest.raises(ValueError, match="kernel='persistent' loops over rows and is not batch invariant"):
-        cutile_forward.config_for(Target(SMS, None, True), 4096, 4096, BF16, "persistent")
+@pytest.mark.parametrize("kernel", ["persistent", "tiles"])
+def test_cutile_mode_refuses_the_row_tile_forwards(kernel):
+    with pytest.raises(ValueError, match=f"kernel='{kernel}' puts rows in tiles that follow M and is not batch"):
+        cutile_forward.config_for(Target(SMS, None, True), 4096, 4096, BF16, kernel)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -34,11 +34,15 @@ def fwd(host, m, n, dtype=BF16, kernel=None) -> config.ForwardConfig:
 
 
 def fwd_kernel(host, m, n, dtype=BF16) -> str:
-    """ "gather" or "persistent": the forward kernel the product launches for an (m, n) input."""
+    """One of config.FORWARD_KERNELS: the forward kernel the product launches for an (m, n) input (the persistent
+    kernel with its last constant, WALK, off runs one tile per block: "tiles")."""
     add = host.forward.ADD_NONE
-    kernel = host.forward.cached_launch(0, m, n, dtype, None, "llama", True, True, add).kernel
+    launch = host.forward.cached_launch(0, m, n, dtype, None, "llama", True, True, add)
     kernels = host.common.kernels()
-    return {kernels.rms_norm_fwd_gather: "gather", kernels.rms_norm_fwd_persistent: "persistent"}[kernel]
+    if launch.kernel is kernels.rms_norm_fwd_gather:
+        return "gather"
+    assert launch.kernel is kernels.rms_norm_fwd_persistent
+    return "persistent" if launch.constants[-1] else "tiles"
 
 
 @pytest.mark.parametrize("n", [1, 64, 123, 512, 1000, 2001, 4096, 5120, 7168, 8192, 16384, 65536])
@@ -54,6 +58,8 @@ def test_forward_config_invariants(m, n):
         )
         assert cfg.tile_n + cfg.tail_n >= n and 1 <= cfg.grid <= SMS * most
         assert cfg.grid <= config.cdiv(m, cfg.tile_m)
+    elif cfg.kernel == "tiles":
+        assert cfg.tile_n + cfg.tail_n >= n and cfg.grid == config.cdiv(m, cfg.tile_m)
     else:
         assert cfg.grid == m and cfg.single_tile == (cfg.tile_n >= n)
 
@@ -186,16 +192,27 @@ def test_compiler_hints_follow_the_tile_width(host):
 
 def test_short_16bit_rows_get_more_resident_blocks_and_short_backward_rows_taller_tiles(host):
     """Head-dim rows (PERFORMANCE.md, "Narrow rows"): the forward of 16-bit rows up to 256 padded columns raises the
-    occupancy hint (8 up to 64 columns, 4 up to 256) and from 2^20 rows launches about one row tile per
-    block; fp32 and wider rows keep the narrow class. Backward rows up to 128 padded columns take 32 rows."""
+    occupancy hint (8 up to 64 columns, 4 up to 256); from 2^18 rows, where N is the padded width, it launches one
+    4096-element tile per block ("tiles": occupancy 8, eight warps); the padded 96 keeps the persistent walk with
+    about one row tile per block from 2^20 rows; fp32 and wider rows keep the narrow class. Backward rows up to
+    128 padded columns take 32 rows."""
     p = config.HEURISTICS
+    tiles_hints = (("num_worker_warps", p.fwd_tiles_short_worker_warps), ("occupancy", p.fwd_tiles_short_occupancy))
     for n, occupancy in ((64, 8), (96, 4), (128, 4), (256, 4)):
         for dtype in (BF16, torch.float16):
             f = fwd(host, 65536, n, dtype)
             assert f.kernel == "persistent" and f.hints == (("occupancy", occupancy),), (n, dtype)
             assert f.grid == SMS * p.fwd_tiny_blocks_per_sm
-            many = fwd(host, 3 << 20, n, dtype)  # bucket 2^21: one row tile per block, capped by the tiles
-            assert many.grid == min(SMS * p.fwd_short_many_blocks_per_sm, config.cdiv(3 << 20, many.tile_m))
+            many = fwd(host, 3 << 20, n, dtype)  # bucket 2^22
+            if n == 96:  # one row tile per block, capped by the tiles
+                assert many.kernel == "persistent"
+                assert many.grid == min(SMS * p.fwd_short_many_blocks_per_sm, config.cdiv(3 << 20, many.tile_m))
+                continue
+            for m in (p.fwd_tiles_min_m, 3 << 20):
+                tiles = fwd(host, m, n, dtype)
+                assert (tiles.kernel, tiles.tile_m * tiles.tile_n) == ("tiles", p.fwd_tiles_tile_elems), (n, m)
+                assert tiles.grid == config.cdiv(m, tiles.tile_m) and tiles.hints == tiles_hints
+            assert fwd(host, p.fwd_tiles_min_m, n, torch.float32).kernel == "persistent"
         assert fwd(host, 65536, n, torch.float32).hints == (("occupancy", p.fwd_narrow_occupancy),)
     assert fwd(host, 65536, 512).hints == (("occupancy", p.fwd_narrow_occupancy),)
     for n, tile_m in ((64, 32), (96, 32), (128, 32), (256, p.max_tile_m)):

@@ -104,7 +104,7 @@ def test_fused_add_grid(m, n, dtype):
 
 @pytest.mark.parametrize("with_dres", [True, False], ids=["dres", "no-dres"])
 @pytest.mark.parametrize("mode", ["pre", "post"])
-@pytest.mark.parametrize("kernel", ["gather", "persistent"])
+@pytest.mark.parametrize("kernel", ["gather", "persistent", "tiles"])
 @pytest.mark.parametrize("m,n", FORCED)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_add_forced_kernel_and_mode(m, n, dtype, kernel, mode, with_dres):
@@ -114,13 +114,13 @@ def test_fused_add_forced_kernel_and_mode(m, n, dtype, kernel, mode, with_dres):
 
 
 @pytest.mark.parametrize("mode", ["pre", "post"])
-@pytest.mark.parametrize("kernel", [None, "gather", "persistent"])
+@pytest.mark.parametrize("kernel", [None, "gather", "persistent", "tiles"])
 @pytest.mark.parametrize("m,n", [(7, 1000), (4097, 4096), (65536, 5120), (4097, 12288), (3, 65536)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_fused_add_fp32_residual_stream(m, n, dtype, kernel, mode):
     """An fp32 residual beside 16-bit x: the sum and ds in fp32, y in x's dtype."""
-    if kernel == "persistent" and n > 16384:
-        pytest.skip("the persistent forward takes rows of at most 16384")
+    if kernel in ("persistent", "tiles") and n > 16384:
+        pytest.skip("the row-tile forwards take rows of at most 16384")
     _check(m, n, dtype, torch.float32, mode=mode, kernel=kernel, autograd=kernel is None)
 
 

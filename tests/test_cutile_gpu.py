@@ -120,7 +120,7 @@ def test_casting_weight_offset(m, n, dtype, casting_mode, weight, offset):
 FORCED_MODE_SHAPES = [(1, 64), (4097, 1000), (7, 4096), (65536, 5120), (4097, 8192), (4097, 12288)]
 
 
-@pytest.mark.parametrize("kernel", ["gather", "persistent"])
+@pytest.mark.parametrize("kernel", ["gather", "persistent", "tiles"])
 @pytest.mark.parametrize(
     "m,n", [pytest.param(m, n, marks=big_gpu_memory_if(m * n >= BIG_GPU_ELEMS)) for m, n in FORCED_MODE_SHAPES]
 )

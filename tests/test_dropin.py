@@ -177,6 +177,17 @@ def test_default_on_gpu_is_torchs_bits(backend, x_dtype, w_dtype, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(600, 128), (37, 1024), (33, 16384)], ids=str)
+@pytest.mark.parametrize("x_dtype", DROPIN_DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", ["gather", "persistent", "tiles"])
+def test_every_cutile_forward_kernel_is_torchs_bits(kernel, x_dtype, shape):
+    """Each forward kernel the cuTile backend may launch (a tuning table picks among them per shape), forced."""
+    x, w = exact_sum_case(shape, x_dtype, x_dtype)
+    want = torch.nn.functional.rms_norm(x, shape[-1:], w, 1e-6)
+    assert_bits(tilegym_rms.rms_norm_forward(x, w, 1e-6, backend="cutile", kernel=kernel)[0], want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("backend", ["cutile", "triton"])
 def test_default_on_gpu_random_rows_differ_from_torch_in_the_last_bit_at_most(backend, x_dtype):

@@ -12,12 +12,16 @@ import torch
 from ..._tiling import cdiv, next_pow2, prev_pow2
 from .heuristics import Heuristics, Hints, current, m_bucket, make_hints
 
-FORWARD_KERNELS = ("gather", "persistent")
+# The forward's kernels: one row per block ("gather"), row tiles walked by a static-persistent grid ("persistent"),
+# and the same tiles one per block without the walk ("tiles": no load ring, so as many small blocks resident as the
+# hints allow, each with its own loads in flight; PERFORMANCE.md, "Narrow rows"). "tiles" launches the persistent
+# kernel with WALK off.
+FORWARD_KERNELS = ("gather", "persistent", "tiles")
 
 
 @dataclass(frozen=True)
 class ForwardConfig:
-    kernel: str  # "gather" or "persistent"
+    kernel: str  # "gather", "persistent" or "tiles" (FORWARD_KERNELS)
     tile_m: int
     tile_n: int
     single_tile: bool  # gather only: the row fits one tile
@@ -49,11 +53,11 @@ class ForwardCandidate:
     """The tunable choices of a forward launch, independent of M and of the SM count (the grid follows
     from them): what a tuning table stores per bucket and what the analytic heuristics pick."""
 
-    kernel: str  # "gather" or "persistent"
+    kernel: str  # FORWARD_KERNELS: one row per block, row tiles walked by a persistent grid, one tile per block
     tile_m: int  # gather: 1
     tile_n: int  # gather: the single tile, or the column chunk when narrower than the row
-    tail_n: int  # persistent: the tail tile (0: none); gather: 0
-    blocks_per_sm: int  # persistent grid; gather: 0 (one block per row)
+    tail_n: int  # persistent and tiles: the tail tile (0: none); gather: 0
+    blocks_per_sm: int  # persistent grid; gather and tiles: 0 (one block per row or row tile)
     occupancy: int  # compiler hints, 0: the compiler's choice
     num_worker_warps: int
 
@@ -104,7 +108,8 @@ def split_row(n: int) -> tuple[int, int]:
 def forward_candidate(
     m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None, params: Heuristics | None = None
 ) -> ForwardCandidate:
-    """The analytic heuristics' forward choice. ``kernel`` forces one ("gather" / "persistent")."""
+    """The analytic heuristics' forward choice. ``kernel`` forces one of :data:`FORWARD_KERNELS` ("tiles": the
+    persistent choice's tiles and hints, one tile per block)."""
     p = params or current()
     padded = next_pow2(n)
     fits = padded <= p.fwd_max_single_tile_n
@@ -114,6 +119,9 @@ def forward_candidate(
         preferred = p.gather_preferred_min_n <= n <= p.gather_preferred_max_n and m >= p.gather_preferred_min_m
         gather_wins = (preferred and fills_tile) or n >= p.gather_min_n
         kernel = "gather" if few_rows or gather_wins else "persistent"
+        short = padded <= p.fwd_short_max_row and dtype.itemsize == 2
+        if kernel == "persistent" and short and n == padded and m >= p.fwd_tiles_min_m:
+            kernel = "tiles"
     if kernel not in FORWARD_KERNELS:
         raise ValueError(f"kernel must be one of {FORWARD_KERNELS} or None, got {kernel!r}")
     if kernel == "gather":
@@ -122,11 +130,13 @@ def forward_candidate(
         return ForwardCandidate("gather", 1, tile_n, 0, 0, occupancy, warps)
     if padded > p.fwd_max_persistent_tile_n:
         raise ValueError(
-            f"kernel='persistent' needs rows of at most {p.fwd_max_persistent_tile_n} elements (N={n}); "
+            f"kernel={kernel!r} needs rows of at most {p.fwd_max_persistent_tile_n} elements (N={n}); "
             "use kernel='gather'"
         )
     tile_n, tail_n = split_row(n) if padded >= p.fwd_split_min_tile_n else (padded, 0)
     row = tile_n + tail_n
+    if kernel == "tiles":
+        return _tiles_candidate(tile_n, tail_n, p)
     blocks, occupancy, warps = persistent_class(row, "fwd", p)
     if row <= p.fwd_tiny_tile_n:
         blocks = p.fwd_tiny_blocks_per_sm
@@ -134,7 +144,18 @@ def forward_candidate(
         occupancy = next(o for widest, o in p.fwd_short_occupancy if row <= widest)
         if m >= p.fwd_short_many_m:
             blocks = p.fwd_short_many_blocks_per_sm
-    return ForwardCandidate("persistent", tile_rows(row, p.fwd_tile_elems, p), tile_n, tail_n, blocks, occupancy, warps)
+    return ForwardCandidate(kernel, tile_rows(row, p.fwd_tile_elems, p), tile_n, tail_n, blocks, occupancy, warps)
+
+
+def _tiles_candidate(tile_n: int, tail_n: int, p: Heuristics) -> ForwardCandidate:
+    """The analytic "tiles" forward for rows held as ``tile_n`` (plus ``tail_n``) columns: ``fwd_tiles_*``."""
+    row = tile_n + tail_n
+    tile_m = prev_pow2(max(p.fwd_tiles_tile_elems // row, 1))
+    if row <= p.fwd_short_max_row:
+        occupancy, warps = p.fwd_tiles_short_occupancy, p.fwd_tiles_short_worker_warps
+    else:  # a row or two per block: as the gather kernel's row
+        occupancy, warps = gather_hints(next_pow2(row), True, p)
+    return ForwardCandidate("tiles", tile_m, tile_n, tail_n, 0, occupancy, warps)
 
 
 def gather_hints(tile_n: int, single_tile: bool, p: Heuristics) -> tuple[int, int]:
@@ -152,8 +173,9 @@ def build_forward(cand: ForwardCandidate, m: int, n: int, num_sms: int) -> Forwa
         # that bound to run the chunked loop on narrow rows).
         single = n <= cand.tile_n <= current().fwd_max_single_tile_n
         return ForwardConfig("gather", 1, cand.tile_n, single, m, hints)
-    grid = min(num_sms * cand.blocks_per_sm, cdiv(m, cand.tile_m))
-    return ForwardConfig("persistent", cand.tile_m, cand.tile_n, True, grid, hints, cand.tail_n)
+    tiles = cdiv(m, cand.tile_m)
+    grid = tiles if cand.kernel == "tiles" else min(num_sms * cand.blocks_per_sm, tiles)
+    return ForwardConfig(cand.kernel, cand.tile_m, cand.tile_n, True, grid, hints, cand.tail_n)
 
 
 def forward_config(
@@ -168,18 +190,19 @@ def forward_config(
 ) -> ForwardConfig:
     """Chooses the forward kernel and its tiles: the tuning ``table``'s winner for the bucket of ``(m, n,
     dtype)`` (a :class:`.tuning.Table`), else the analytic heuristics. ``op`` "fused_forward" (the fused
-    residual add) takes its own entry first, then the plain forward's. ``kernel`` forces one ("gather" /
-    "persistent"); a table winner of the other kernel then gives way to the next in that order.
+    residual add) takes its own entry first, then the plain forward's. ``kernel`` forces one of
+    :data:`FORWARD_KERNELS`; table winners of another kernel then give way to the analytic choice of that one.
 
     ``invariant`` (the batch-invariant mode): the gather kernel as chosen for one row, whatever ``m``. It
     computes each row in a block of its own with no row loop, so a row's code and tiles never follow M; the
     persistent kernel's rows move to later iterations of its grid-stride loop as M grows, which the compiler
-    builds differently (PERFORMANCE.md, "Batch invariance")."""
+    builds differently, and both row-tile kernels take their tile rows from M's bucket (PERFORMANCE.md, "Batch
+    invariance")."""
     if invariant:
         if kernel not in (None, "gather"):
             raise ValueError(
-                f"kernel={kernel!r} loops over rows and is not batch invariant; in the batch-invariant mode "
-                "kernel must be None or 'gather'"
+                f"kernel={kernel!r} puts rows in tiles that follow M and is not batch invariant; in the "
+                "batch-invariant mode kernel must be None or 'gather'"
             )
         kernel, cand_m = "gather", 1
     else:

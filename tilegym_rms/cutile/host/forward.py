@@ -1,6 +1,7 @@
 """The forward host: the norm (:meth:`tilegym_rms.dispatch.Backend.forward`) and the fused residual add
 (:meth:`tilegym_rms.dispatch.FusedAddBackend.fused_add_forward`, the kernels' ``ADD`` switch) on 2-D ``(M, N)``
-views whose last dim is dense: one launch of the gather or the persistent kernel."""
+views whose last dim is dense: one launch of the gather or the persistent kernel (walking its row tiles, or one
+tile per block)."""
 
 from __future__ import annotations
 
@@ -44,10 +45,10 @@ def forward_launch(tgt: Target, m, n, dtype, kernel, casting_mode, has_w, store_
     if cfg.kernel == "gather":
         kernel, grid = k.rms_norm_fwd_gather, (m,)
         constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd, add)
-    else:
+    else:  # "persistent" walks its row tiles, "tiles" runs one per block
         kernel, grid = k.rms_norm_fwd_persistent, (cfg.grid,)
         exact_n = n == cfg.tile_n  # a power of two (tiles are), the row one tile without a tail
-        constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add, exact_n)
+        constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add, exact_n, cfg.kernel == "persistent")
     allocates_rstd = store_rstd or cfg.kernel != "gather"
     return make_launch(kernel, grid, constants, cfg.hints, ForwardLaunch, rows=m, allocates_rstd=allocates_rstd)
 

@@ -1,4 +1,5 @@
-"""The forward kernels: one row per block (gather) and the static-persistent row-tile walk."""
+"""The forward kernels: one row per block (gather), and row tiles, walked by a static-persistent grid or one per
+block."""
 
 from __future__ import annotations
 
@@ -59,6 +60,25 @@ def rms_norm_fwd_gather(
         ct.store(rstd, (row,), ct.reshape(r, (1,)))
 
 
+def _forward_tile(t, x, wt, wt_tail, y, rstd, residual, res_out, eps, TILE_M, TILE_N, TAIL_N, CAST, ADD, EXACT_N):
+    """Row tile ``t`` of the persistent kernel: its ``TILE_M`` rows as a tile (and a tail tile), normalized and
+    stored with their rstd."""
+    n = x.shape[1]
+    sdt = residual.dtype  # as in rms_norm_fwd_gather
+    store_sum = ADD == ADD_PRE
+    xf = _load_input(x, residual, res_out, (t, 0), (TILE_M, TILE_N), ADD, store_sum)
+    sum_sq = _sum_sq(xf)
+    if TAIL_N:
+        tail = TILE_N // TAIL_N  # the tail tile's column index
+        xf_tail = _load_input(x, residual, res_out, (t, tail), (TILE_M, TAIL_N), ADD, store_sum)
+        sum_sq = sum_sq + _sum_sq(xf_tail)
+    r = _rstd_of_rows(sum_sq, n, eps, CAST, sdt, EXACT_N, TILE_N)
+    ct.store(y, (t, 0), _normalize_as(xf, r, wt, CAST, sdt, y.dtype), allow_tma=False, latency=3)
+    if TAIL_N:
+        ct.store(y, (t, tail), _normalize_as(xf_tail, r, wt_tail, CAST, sdt, y.dtype), allow_tma=False, latency=3)
+    ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)), allow_tma=False)
+
+
 @ct.kernel
 def rms_norm_fwd_persistent(
     x,
@@ -76,27 +96,23 @@ def rms_norm_fwd_persistent(
     HAS_W: ct.Constant[bool],
     ADD: ct.Constant[int],
     EXACT_N: ct.Constant[bool],
+    WALK: ct.Constant[bool],
 ):
-    """Static persistent: the weight is loaded once per block, which then grid-strides over
-    ``TILE_M x TILE_N`` row tiles (``TILE_N >= N``), or over rows held as a tile plus a narrower tail
-    tile (``TAIL_N > 0``: columns ``[TILE_N, TILE_N + TAIL_N)``, as in the backward). ``EXACT_N``: N is
-    ``TILE_N`` (``_rstd_of_rows``)."""
-    n = x.shape[1]
-    sdt = residual.dtype  # as in rms_norm_fwd_gather
-    store_sum = ADD == ADD_PRE
+    """``TILE_M x TILE_N`` row tiles (``TILE_N >= N``), or rows held as a tile plus a narrower tail tile
+    (``TAIL_N > 0``: columns ``[TILE_N, TILE_N + TAIL_N)``, as in the backward), the weight loaded once per
+    block. ``WALK``: static persistent, the block grid-strides over the row tiles (the compiler keeps the next
+    tiles' loads in flight in a ring of shared-memory stages); otherwise the block runs tile ``bid(0)`` alone
+    (a grid of one block per tile: no loop, no ring, so many small blocks each keep their own loads in flight;
+    the config's ``"tiles"`` kernel, PERFORMANCE.md "Narrow rows"). ``EXACT_N``: N is ``TILE_N``
+    (``_rstd_of_rows``)."""
+    sdt = residual.dtype
     wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, sdt)
+    wt_tail = wt
     if TAIL_N:
-        tail = TILE_N // TAIL_N  # the tail tile's column index
-        wt_tail = _effective_weight(w, tail, offset, TAIL_N, HAS_W, CAST, sdt)
-    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
-        xf = _load_input(x, residual, res_out, (t, 0), (TILE_M, TILE_N), ADD, store_sum)
-        sum_sq = _sum_sq(xf)
-        if TAIL_N:
-            xf_tail = _load_input(x, residual, res_out, (t, tail), (TILE_M, TAIL_N), ADD, store_sum)
-            sum_sq = sum_sq + _sum_sq(xf_tail)
-        r = _rstd_of_rows(sum_sq, n, eps, CAST, sdt, EXACT_N, TILE_N)
-        ct.store(y, (t, 0), _normalize_as(xf, r, wt, CAST, sdt, y.dtype), allow_tma=False, latency=3)
-        if TAIL_N:
-            y_tail = _normalize_as(xf_tail, r, wt_tail, CAST, sdt, y.dtype)
-            ct.store(y, (t, tail), y_tail, allow_tma=False, latency=3)
-        ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)), allow_tma=False)
+        wt_tail = _effective_weight(w, TILE_N // TAIL_N, offset, TAIL_N, HAS_W, CAST, sdt)
+    consts = (TILE_M, TILE_N, TAIL_N, CAST, ADD, EXACT_N)
+    if WALK:
+        for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
+            _forward_tile(t, x, wt, wt_tail, y, rstd, residual, res_out, eps, *consts)
+    else:
+        _forward_tile(ct.bid(0), x, wt, wt_tail, y, rstd, residual, res_out, eps, *consts)

@@ -170,6 +170,9 @@ def candidate_error(op: str, cand, n_b: int) -> str | None:
     if kind in ("gather", "direct"):
         if cand.blocks_per_sm or cand.tail_n:
             return f"{kind}: blocks_per_sm and tail_n must be 0 (one block per row or row tile)"
+    elif kind == "tiles":
+        if cand.blocks_per_sm:
+            return "tiles: blocks_per_sm must be 0 (one block per row tile)"
     elif cand.blocks_per_sm < 1:
         return f"{kind}: blocks_per_sm must be >= 1"
     if kind == "gather":

@@ -98,7 +98,7 @@ def analytic_doc(key: str, name: str, capability, sms: int, generated_by: str) -
 
 def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: bool = False) -> list:
     """What the sweep times at one bucket, the analytic choice first, then a few neighbours valid for the
-    bucket: the other forward kernel (its analytic tiles), or the persistent backward strategy in place of the
+    bucket: the other forward kernels (their analytic tiles), or the persistent backward strategy in place of the
     direct one; twice the blocks per SM (only the grid changes: no compile); twice the rows per tile of a
     persistent tile, or twice the gather kernel's occupancy hint (one compiled variant each). Few on
     purpose: compiles dominate a sweep's time, see ``bench/tools/tune_table.py --estimate``.
@@ -145,6 +145,9 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
                 for occupancy in occupancies:
                     add(replace(base, occupancy=occupancy))
                 continue
+            if kernel == "tiles":
+                _add_tile_builds(add, base, occupancies, wide)
+                continue
             if not wide:
                 add(replace(base, blocks_per_sm=base.blocks_per_sm * 2))
                 add(replace(base, tile_m=base.tile_m * 2))
@@ -181,6 +184,19 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
         add(replace(base, tile_m=base.tile_m // 2))
         _add_one_block_builds(add, out, "strategy")
     return out
+
+
+def _add_tile_builds(add, base, occupancies: list[int], wide: bool) -> None:
+    """Neighbours of the one-tile-per-block forward (``"tiles"``): none in the quick set (its analytic tiles only);
+    ``wide``: half to four times the rows, occupancy hints of two and four times the analytic one, each with the
+    compiler's warps and with eight. Without a load ring, bytes in flight per SM come from the resident blocks
+    (the hint) times each block's tile (PERFORMANCE.md, "Narrow rows")."""
+    if not wide:
+        return
+    for tile_m in (max(1, base.tile_m // 2), base.tile_m, base.tile_m * 2, base.tile_m * 4):
+        for occupancy in (base.occupancy, *occupancies):
+            for warps in (0, 8):
+                add(replace(base, tile_m=tile_m, occupancy=occupancy, num_worker_warps=warps))
 
 
 def _add_one_block_builds(add, out: list, kind: str) -> None:
