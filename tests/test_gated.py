@@ -384,7 +384,8 @@ def test_cutile_host_runs_groups_wider_than_its_tiles_in_torch(emulated_cutile):
 )
 def test_cutile_tiles_hold_whole_groups(m, n, group_size):
     """Each tile holds whole groups, padded to a power of two; chunks cover every group; no block without a row
-    tile; the backward's tiles are no bigger than the forward's (x, z and dy live)."""
+    tile; the backward's tiles are no bigger than the forward's (x, z and dy live) except on narrow rows, whose
+    settings were measured apart."""
     from tilegym_rms.cutile import config
 
     cfg = config.gated_config(m, n, group_size, torch.bfloat16, 132)
@@ -393,7 +394,28 @@ def test_cutile_tiles_hold_whole_groups(m, n, group_size):
     for launch in (cfg.fwd, cfg.bwd):
         assert launch.grid[1] * launch.tile_g >= groups > (launch.grid[1] - 1) * launch.tile_g
         assert 1 <= launch.grid[0] <= -(-m // launch.tile_m)
-    assert cfg.bwd.tile_m * cfg.bwd.tile_g <= cfg.fwd.tile_m * cfg.fwd.tile_g
+    if cfg.tile_s * cfg.fwd.tile_g > config.HEURISTICS.gated_narrow_max_row:
+        assert cfg.bwd.tile_m * cfg.bwd.tile_g <= cfg.fwd.tile_m * cfg.fwd.tile_g
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_cutile_narrow_rows_take_the_head_settings(norm_before_gate):
+    """The backward of rows of one narrow group (a 128-wide head): the gated_narrow_* settings by where the gate
+    applies (PERFORMANCE.md, "Gated RMSNorm"); the forward keeps the general ones; the batch-invariant mode keeps
+    its one-row tiles."""
+    from tilegym_rms.cutile import config
+
+    p = config.HEURISTICS
+    cfg = config.gated_config(1 << 18, 128, 128, torch.bfloat16, 132, norm_before_gate=norm_before_gate)
+    side = "before" if norm_before_gate else "after"
+    assert cfg.fwd.tile_m * 128 == min(p.gated_fwd_tile_elems, p.gated_max_tile_m * 128)
+    assert dict(cfg.fwd.hints) == {"occupancy": p.gated_occupancy, "num_worker_warps": p.gated_worker_warps}
+    assert cfg.bwd.tile_m * 128 == getattr(p, f"gated_narrow_bwd_{side}_tile_elems")
+    assert cfg.bwd.grid == (132 * getattr(p, f"gated_narrow_bwd_{side}_blocks_per_sm"), 1)
+    assert dict(cfg.bwd.hints).get("num_worker_warps", 0) == getattr(p, f"gated_narrow_bwd_{side}_worker_warps")
+    assert dict(cfg.bwd.hints)["occupancy"] == p.gated_narrow_occupancy
+    invariant = config.gated_config(1 << 18, 128, 128, torch.bfloat16, 132, invariant=True)
+    assert invariant.fwd.tile_m == invariant.bwd.tile_m == 1
 
 
 @pytest.mark.parametrize(

@@ -35,9 +35,11 @@ def gated_config(
     num_sms: int,
     invariant: bool = False,
     gate_dtype: torch.dtype | None = None,
+    norm_before_gate: bool = True,
 ) -> GatedConfig | None:
     """Tiles, grids and hints of the gated kernels for ``m`` rows of ``n`` columns of ``dtype`` in groups of
-    ``group_size``, gated by a ``gate_dtype`` tensor (None: ``dtype``), tiles from M's bucket, grids from M; or
+    ``group_size``, gated by a ``gate_dtype`` tensor (None: ``dtype``) before or after the norm
+    (``norm_before_gate``: it picks the backward's settings of narrow rows), tiles from M's bucket, grids from M; or
     None for a group wider than ``gated_max_tile_s`` (the host then runs the torch math). In the batch-invariant
     mode a tile is one row and the forward gives each row tile a block of its own, whatever M."""
     p = current()
@@ -71,6 +73,12 @@ def gated_config(
     if row >= p.gated_bwd_wide_min_row:  # the plain wide backward's settings
         bwd_hints = make_hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps)
         bwd_blocks = p.bwd_wide_blocks_per_sm
+    if row <= p.gated_narrow_max_row and not invariant:  # a head per tile row: gated_narrow_bwd_*
+        side = "before" if norm_before_gate else "after"
+        bwd_elems, bwd_blocks, bwd_warps = (
+            getattr(p, f"gated_narrow_bwd_{side}_{k}") for k in ("tile_elems", "blocks_per_sm", "worker_warps")
+        )
+        bwd_hints = make_hints(occupancy=p.gated_narrow_occupancy, num_worker_warps=bwd_warps)
     return GatedConfig(
         tile_s,
         launch(fwd_elems, p.gated_fwd_blocks_per_sm, hints, invariant),

@@ -183,6 +183,19 @@ class Heuristics:
     gated_bwd_one_row_min: int = 4096
     gated_bwd_blocks_per_sm: int = 2
     gated_bwd_wide_min_row: int = 8192
+    # The backward of tile rows of at most gated_narrow_max_row padded columns (a 128-wide head, Qwen3-Next's
+    # gated norm), measured on an H100 at 2^18 rows of 128 columns with a bf16 gate (PERFORMANCE.md, "Gated
+    # RMSNorm"), by where the gate applies: gated_narrow_bwd_before_* (128-row tiles, eight warps) and
+    # gated_narrow_bwd_after_* (16-row tiles, the compiler's warps), both at occupancy gated_narrow_occupancy.
+    # The forward keeps the settings above (the sweep's narrow forward won with one gate and lost with others).
+    gated_narrow_max_row: int = 256
+    gated_narrow_occupancy: int = 4
+    gated_narrow_bwd_before_tile_elems: int = 16384
+    gated_narrow_bwd_before_blocks_per_sm: int = 8
+    gated_narrow_bwd_before_worker_warps: int = 8
+    gated_narrow_bwd_after_tile_elems: int = 2048
+    gated_narrow_bwd_after_blocks_per_sm: int = 4
+    gated_narrow_bwd_after_worker_warps: int = 0
     gated_occupancy: int = 2
     gated_worker_warps: int = 8
     gated_bwd_grouped_worker_warps: int = 0

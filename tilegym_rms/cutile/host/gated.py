@@ -19,15 +19,15 @@ from .backward import reduce, reduce_launch
 from .common import Launch, Target, make_launch, plain, target
 
 
-def config_for(tgt: Target, m: int, n: int, group_size: int, dtype: torch.dtype,
-               gate_dtype: torch.dtype | None = None) -> config.GatedConfig | None:  # fmt: skip
-    return config.gated_config(m, n, group_size, dtype, tgt.sms, tgt.invariant, gate_dtype)
+def config_for(tgt: Target, m: int, n: int, group_size: int, dtype: torch.dtype, gate_dtype: torch.dtype | None = None,
+               norm_before_gate: bool = True) -> config.GatedConfig | None:  # fmt: skip
+    return config.gated_config(m, n, group_size, dtype, tgt.sms, tgt.invariant, gate_dtype, norm_before_gate)
 
 
 def forward_launch(tgt: Target, m, n, group_size, dtype, casting_mode, has_w, norm_before_gate, store_rstd,
                    activation="silu") -> Launch | None:  # fmt: skip
     """The forward's launch, or None where the torch math runs (see :func:`config_for`)."""
-    cfg = config_for(tgt, m, n, group_size, dtype)
+    cfg = config_for(tgt, m, n, group_size, dtype, norm_before_gate=norm_before_gate)
     if cfg is None:
         return None
     f = cfg.fwd
@@ -48,7 +48,7 @@ class GatedBackwardLaunches:
 def backward_launches(tgt: Target, m, n, group_size, dtype, gate_dtype, has_w, norm_before_gate,
                       activation="silu") -> GatedBackwardLaunches | None:  # fmt: skip
     """The backward's launches, or None where the torch math runs (see :func:`config_for`)."""
-    cfg = config_for(tgt, m, n, group_size, dtype, gate_dtype)
+    cfg = config_for(tgt, m, n, group_size, dtype, gate_dtype, norm_before_gate)
     if cfg is None:
         return None
     b = cfg.bwd
