@@ -388,7 +388,7 @@ def _emulated_launch(calls):
         kernel = kernel_name(kernel)
         calls.append(kernel)
         if kernel == "qk_rms_norm_fwd":
-            q, k, wq, wk, yq, yk, rq, rk, eps, offset, *_tiles, _tn, cast, has_wq, has_wk, _exact_d = args
+            q, k, wq, wk, yq, yk, rq, rk, eps, offset, *_tiles, _tn, cast, has_wq, has_wk, _exact_d, _walk = args
             mode = reference.KERNEL_CASTING_MODES[cast]
             for x, w, has, y, r in ((q, wq, has_wq, yq, rq), (k, wk, has_wk, yk, rk)):
                 out, rstd = reference.rms_norm_forward(x, w if has else None, eps, offset, mode)

@@ -106,6 +106,24 @@ def test_qk_layouts_and_gradient_layouts(d, hq, hk, dtype, layout, grad):
     _check(q, k, grad=grad)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_qk_forward_of_one_tile_per_block(d, layout):
+    """A tuning entry may run the forward one tile per block (fwd_blocks_per_sm 0: no walk; q's tiles, then
+    k's): values and gradients against float64, 999 tokens (partial tiles along G and H)."""
+    from dataclasses import asdict
+
+    from tilegym_rms.cutile import config, tuning
+    from tilegym_rms.cutile.tuning import build
+
+    doc = build.new_doc("sm90_132sm", "test", (9, 0), 132, "measured", "test")
+    entry = config.QKCandidate(32 if d <= 128 else 16, 64, 0, 2, 8, 2)
+    build.set_runs(doc, "qk", "bf16", config.next_pow2(d), [{"m": 1, "winner": asdict(entry), "gbps": {}}])
+    q, k = _layout(layout, 3, 333, d, torch.bfloat16, 28, 4)
+    with tuning.use_table(doc):
+        _check(q, k)
+
+
 @pytest.mark.parametrize("grad", GRADIENTS)
 def test_qk_gradient_layouts_at_many_rows(grad):
     """A fused qkv slice of 8192 tokens, 32 and 8 heads (327680 rows): many tiles per block."""

@@ -690,12 +690,29 @@ def test_the_hosts_qk_config_follows_the_qk_entry_and_is_the_heuristics_without_
         assert host.qk.cached_config(0, (1, 1, m_q), (1, 1, m_k), d, BF16) == analytic
 
 
+def test_a_qk_entry_of_one_forward_tile_per_block(host):
+    """fwd_blocks_per_sm 0: the forward's grid is every tile of q and k, its WALK constant off, eight warps
+    (qk_fwd_tiles_worker_warps); the backward as the entry says."""
+    m_q, m_k, d = 16 * 1024 + 5, 4 * 1024 + 1, 128
+    entry = config.QKCandidate(32, 64, 0, 2, 8, 2)
+    with tuning.use_table(one_entry("qk", "bf16", 128, entry, m=16384)):
+        c = host.qk.cached_config(0, (1, 1, m_q), (1, 1, m_k), d, BF16)
+        assert c.fwd_grid == config.cdiv(m_q, 32) + config.cdiv(m_k, 32) and not c.fwd_walk
+        assert dict(c.fwd_hints) == {"occupancy": 8, "num_worker_warps": config.HEURISTICS.qk_fwd_tiles_worker_warps}
+        assert c.bwd_grid == 2 * SMS
+        launch = host.qk.forward_launch(host.common.target(0), (1, 1, m_q), (1, 1, m_k), d, BF16, "llama", True, True)
+        assert launch.grid == (c.fwd_grid,) and launch.constants[-1] is False
+    walked = host.qk.forward_launch(host.common.target(0), (1, 1, m_q), (1, 1, m_k), d, BF16, "llama", True, True)
+    assert walked.constants[-1] is True
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
         ({"fwd_tile_m": 48}, "fwd_tile_m 48 must be a power of two"),
         ({"bwd_tile_m": 1024}, "bwd_tile_m 1024 must be a power of two with bwd_tile_m x 64 columns <= 32768"),
-        ({"fwd_blocks_per_sm": 0}, "fwd_blocks_per_sm 0 must be >= 1"),
+        ({"fwd_blocks_per_sm": -1}, "fwd_blocks_per_sm -1 must be >= 0"),
+        ({"bwd_blocks_per_sm": 0}, "bwd_blocks_per_sm 0 must be >= 1"),
         ({"bwd_occupancy": -1}, "bwd_occupancy -1 >= 0"),
         ({"fwd_tile_m": "32"}, "must be integers"),
     ],
@@ -888,7 +905,12 @@ def test_wide_candidates_extend_the_quick_ones(op, m, n):
     assert all(tuning.candidate_error(op, c, n) is None for c in wide)
     if op == "qk":
         base = quick[0].fwd_occupancy
-        assert {c.fwd_occupancy for c in wide} == {base, 2 * base, 4 * base}
+        assert {c.fwd_occupancy for c in wide if c.fwd_blocks_per_sm} == {base, 2 * base, 4 * base}
+        # forwards of one tile per block, around the plain forward's analytic "tiles" choice for the head dim
+        tiles = config.forward_candidate(m, n, BF16, SMS, "tiles")
+        assert (tiles.tile_m, 0, tiles.occupancy) in {
+            (c.fwd_tile_m, c.fwd_blocks_per_sm, c.fwd_occupancy) for c in wide
+        }
         # the plain forward's short-row choice for rows of one head is timed too
         plain = config.forward_candidate(m, n, BF16, SMS, "persistent")
         assert (plain.tile_m, plain.blocks_per_sm, plain.occupancy) in {

@@ -345,6 +345,10 @@ def qk_variants() -> list[Variant]:
                     for heads in QK_HEADS:
                         more = qk_variants_for(m, d, dtype, every_path=False, layout=layout, heads=heads)
                         found.update(dict.fromkeys(more))
+    # The forward of one tile per block (a tuning entry's fwd_blocks_per_sm 0), 4096-element tiles at occupancy 8.
+    with config.override(qk_fwd_blocks_per_sm=0, qk_fwd_tile_elems=4096, qk_fwd_occupancy=8):
+        for d in QK_REPRESENTATIVE_D:
+            found.update(dict.fromkeys(qk_variants_for(REPRESENTATIVE_M[-1], d, torch.bfloat16, every_path=False)))
     return list(found)
 
 

@@ -165,6 +165,9 @@ class Heuristics:
     qk_fwd_occupancy: int = 2
     qk_bwd_blocks_per_sm: int = 2
     qk_bwd_occupancy: int = 2
+    # A forward of one tile per block (a table entry's fwd_blocks_per_sm 0) runs qk_fwd_tiles_worker_warps warps,
+    # as the plain forward's one-tile-per-block builds that won (PERFORMANCE.md, "Narrow rows").
+    qk_fwd_tiles_worker_warps: int = 8
 
     # Gated RMSNorm (gated_rms_norm): a tile is rows of whole groups, each padded to next_pow2(group size); a
     # group is at most gated_max_tile_s padded columns (wider ones run the reference's torch math). Measured on

@@ -26,6 +26,7 @@ class QKConfig:
     bwd_hints: Hints = ()
     fwd_tiles: QKTiles = ((1, 1), (1, 1))  # the rows of a tile split along G and H, forward
     bwd_tiles: QKTiles = ((1, 1), (1, 1))
+    fwd_walk: bool = True  # False: one forward tile per block (fwd_blocks_per_sm 0), the grid every tile
 
 
 def qk_tile_split(rows: int, g: int, h: int, params: Heuristics | None = None) -> tuple[int, int]:
@@ -60,7 +61,7 @@ def _qk_tile_m(rows: int, tile_n: int, target_elems: int, num_sms: int, p: Heuri
 class QKCandidate:
     """The tunable choices of the qk kernels (see :class:`ForwardCandidate`): rows per tile, blocks per SM
     and the occupancy hint (0: the compiler's choice), forward and backward. The tile is always one head
-    wide (TILE_N = next_pow2(D))."""
+    wide (TILE_N = next_pow2(D)). ``fwd_blocks_per_sm`` 0: one forward tile per block, without the walk."""
 
     fwd_tile_m: int
     bwd_tile_m: int
@@ -108,11 +109,11 @@ def qk_config(
     def tiles(tile_m):
         return tuple(qk_tile_split(tile_m, shape[1], shape[2]) for shape in (q_shape, k_shape))
 
-    def grid(split, blocks_per_sm):  # never more blocks than tiles
+    def grid(split, blocks_per_sm):  # never more blocks than tiles; blocks_per_sm 0: one block per tile
         count = sum(
             a * cdiv(g, tg) * cdiv(h, th) for (a, g, h), (tg, th) in zip((q_shape, k_shape), split, strict=True)
         )
-        return max(1, min(num_sms * blocks_per_sm, count))
+        return max(1, count if blocks_per_sm == 0 else min(num_sms * blocks_per_sm, count))
 
     fwd_tiles, bwd_tiles = tiles(c.fwd_tile_m), tiles(c.bwd_tile_m)
     return QKConfig(
@@ -121,8 +122,11 @@ def qk_config(
         c.bwd_tile_m,
         grid(fwd_tiles, c.fwd_blocks_per_sm),
         grid(bwd_tiles, c.bwd_blocks_per_sm),
-        make_hints(occupancy=c.fwd_occupancy),
+        make_hints(
+            occupancy=c.fwd_occupancy, num_worker_warps=0 if c.fwd_blocks_per_sm else p.qk_fwd_tiles_worker_warps
+        ),
         make_hints(occupancy=c.bwd_occupancy),
         fwd_tiles,
         bwd_tiles,
+        c.fwd_blocks_per_sm > 0,
     )

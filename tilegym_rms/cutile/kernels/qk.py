@@ -87,16 +87,24 @@ def qk_rms_norm_fwd(
     HAS_WQ: ct.Constant[bool],
     HAS_WK: ct.Constant[bool],
     EXACT_D: ct.Constant[bool],
+    WALK: ct.Constant[bool],
 ):
     """Both weights are loaded once per block; then the block normalizes its q tiles and its k tiles
-    (``TILE_N >= D``; ``EXACT_D``: ``TILE_N == D``), storing rstd of every row."""
+    (``TILE_N >= D``; ``EXACT_D``: ``TILE_N == D``), storing rstd of every row. ``WALK``: the persistent walk;
+    otherwise one tile per block, without the loops (a grid of q's tiles, then k's: no ring of load stages, as
+    the plain forward's ``"tiles"``)."""
     wtq = _effective_weight(wq, 0, offset, TILE_N, HAS_WQ, CAST, q.dtype)
     wtk = _effective_weight(wk, 0, offset, TILE_N, HAS_WK, CAST, k.dtype)
     num_q_tiles = _qk_num_tiles(q, TILE_GQ, TILE_HQ)
-    for t in range(ct.bid(0), num_q_tiles, ct.num_blocks(0)):
-        _qk_fwd_tile(q, wtq, yq, rstd_q, t, eps, TILE_GQ, TILE_HQ, TILE_N, CAST, EXACT_D)
-    for t in range(_first_k_tile(num_q_tiles), _qk_num_tiles(k, TILE_GK, TILE_HK), ct.num_blocks(0)):
-        _qk_fwd_tile(k, wtk, yk, rstd_k, t, eps, TILE_GK, TILE_HK, TILE_N, CAST, EXACT_D)
+    if WALK:
+        for t in range(ct.bid(0), num_q_tiles, ct.num_blocks(0)):
+            _qk_fwd_tile(q, wtq, yq, rstd_q, t, eps, TILE_GQ, TILE_HQ, TILE_N, CAST, EXACT_D)
+        for t in range(_first_k_tile(num_q_tiles), _qk_num_tiles(k, TILE_GK, TILE_HK), ct.num_blocks(0)):
+            _qk_fwd_tile(k, wtk, yk, rstd_k, t, eps, TILE_GK, TILE_HK, TILE_N, CAST, EXACT_D)
+    elif ct.bid(0) < num_q_tiles:
+        _qk_fwd_tile(q, wtq, yq, rstd_q, ct.bid(0), eps, TILE_GQ, TILE_HQ, TILE_N, CAST, EXACT_D)
+    else:
+        _qk_fwd_tile(k, wtk, yk, rstd_k, ct.bid(0) - num_q_tiles, eps, TILE_GK, TILE_HK, TILE_N, CAST, EXACT_D)
 
 
 def _qk_bwd_tile(dy, x, wt, rstd, dx, dw_acc, t, inv_d, TILE_G, TILE_H, TILE_N, HAS_W):

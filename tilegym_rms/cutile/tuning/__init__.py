@@ -147,8 +147,9 @@ def _qk_candidate_error(cand: QKCandidate, n_b: int, p: config.Heuristics) -> st
                 f"qk: {side}_tile_m {tile_m} must be a power of two with {side}_tile_m x {tile_n} columns "
                 f"<= {QK_MAX_TILE_ELEMS} elements"
             )
-        if blocks < 1 or occupancy < 0:
-            return f"qk: {side}_blocks_per_sm {blocks} must be >= 1 and {side}_occupancy {occupancy} >= 0"
+        least = 0 if side == "fwd" else 1  # a forward of one tile per block (0); the backward's dw rows are blocks
+        if blocks < least or occupancy < 0:
+            return f"qk: {side}_blocks_per_sm {blocks} must be >= {least} and {side}_occupancy {occupancy} >= 0"
     return None
 
 

@@ -105,7 +105,8 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
 
     ``wide`` reaches further where the quick neighbours left a gap to the peers: four times the blocks per
     SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
-    four times the analytic one (for qk on both halves; for the forward ops on both kernels); for a padded
+    four times the analytic one (for qk on both halves, and qk forwards of one tile per block; for the forward
+    ops on both kernels, and the one-tile-per-block forward's builds); for a padded
     persistent forward row, the row as a tile plus a tail tile; and one-block-per-SM builds of each persistent
     tile shape, with eight warps and at occupancy 1 (:func:`_add_one_block_builds`)."""
     out: list = []
@@ -126,6 +127,11 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
                     for o in occupancies:
                         fields = {"tile_m": t, "blocks_per_sm": blocks * b, "occupancy": o}
                         add(replace(base, **{f"{side}_{k}": v for k, v in fields.items()}))
+        if wide:  # one forward tile per block without the walk, around the plain forward's analytic "tiles"
+            tiles = config.forward_candidate(m_b, n_b, dtype, sms, "tiles")
+            for t in (max(1, tiles.tile_m // 2), tiles.tile_m, tiles.tile_m * 2):
+                for o in (max(1, tiles.occupancy // 2), tiles.occupancy, tiles.occupancy * 2):
+                    add(replace(base, fwd_tile_m=t, fwd_blocks_per_sm=0, fwd_occupancy=o))
         if wide:  # the plain norm's choice for rows of one head (its measured short-row settings)
             f = config.forward_candidate(m_b, n_b, dtype, sms, "persistent")
             b = config.backward_candidate(m_b, n_b, dtype, sms)
