@@ -190,6 +190,18 @@ def test_compiler_hints_follow_the_tile_width(host):
     }
 
 
+def test_one_tile_per_block_bounds(host):
+    """The analytic "tiles" choice starts at fwd_tiles_min_row columns (narrower rows were not measured) and a
+    forced one never stacks more than fwd_tiles_max_tile_m rows, however narrow the row."""
+    p = config.HEURISTICS
+    assert fwd(host, 1 << 20, p.fwd_tiles_min_row // 2).kernel == "persistent"
+    assert fwd(host, 1 << 20, p.fwd_tiles_min_row).kernel == "tiles"
+    for n in (1, 3, 16):
+        forced = fwd(host, 4097, n, kernel="tiles")
+        assert forced.kernel == "tiles" and forced.tile_m == p.fwd_tiles_max_tile_m
+        assert forced.grid == config.cdiv(4097, forced.tile_m)
+
+
 def test_short_16bit_rows_get_more_resident_blocks_and_short_backward_rows_taller_tiles(host):
     """Head-dim rows (PERFORMANCE.md, "Narrow rows"): the forward of 16-bit rows up to 256 padded columns raises the
     occupancy hint (8 up to 64 columns, 4 up to 256); from 2^18 rows, where N is the padded width, it launches one

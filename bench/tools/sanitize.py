@@ -19,6 +19,7 @@ Classes (``--kernels`` takes class names, kernel names, ``forward``, ``backward`
 * ``fwd_gather_norstd``: the gather kernel without the rstd store (``store_rstd=False``, inference).
 * ``fwd_persistent`` / ``fwd_persistent_tail``: ``rms_norm_fwd_persistent`` (``kernel="persistent"``) with one
   padded tile, or a tile plus a narrower tail tile.
+* ``fwd_tiles`` / ``fwd_tiles_tail``: the same kernel one tile per block without the walk (``kernel="tiles"``).
 * ``bwd_direct``: ``rms_norm_bwd_direct`` (dx blocks, then dw strip blocks, one launch).
 * ``bwd_persistent``: ``rms_norm_bwd_persistent`` (with or without a tail tile), then ``rms_norm_dw_reduce``.
 * ``bwd_chunked``: ``rms_norm_bwd_row_dot`` + ``rms_norm_bwd_column_chunk``, then ``rms_norm_dw_reduce``.
@@ -183,6 +184,22 @@ CLASSES = (
         lambda c: c.kernel == "persistent" and c.tail_n > 0,
         "per-row sums of squares over the tile and the tail tile, once per grid-stride step",
         kernel="persistent",
+    ),
+    KernelClass(
+        "fwd_tiles",
+        "forward",
+        (PERSISTENT,),
+        lambda c: c.kernel == "tiles" and not c.tail_n,
+        "per-row sums of squares of a multi-row tile, one tile per block (no walk)",
+        kernel="tiles",
+    ),
+    KernelClass(
+        "fwd_tiles_tail",
+        "forward",
+        (PERSISTENT,),
+        lambda c: c.kernel == "tiles" and c.tail_n > 0,
+        "per-row sums of squares over the tile and the tail tile, one tile per block (no walk)",
+        kernel="tiles",
     ),
     KernelClass(
         "bwd_direct",

@@ -66,13 +66,16 @@ class Heuristics:
     # The "tiles" forward (one row tile per block, no walk): tiles of fwd_tiles_tile_elems elements; rows of at most
     # fwd_short_max_row padded columns at fwd_tiles_short_occupancy with fwd_tiles_short_worker_warps, wider rows
     # (one or two per tile) with the gather kernel's hints for their width. The analytic choice for 16-bit rows of
-    # a power-of-two width up to fwd_short_max_row from fwd_tiles_min_m rows: measured on the H100 within about 1%
-    # of the best candidate at 64, 128 and 256 columns and 2^18-2^22 rows, 1.00-1.04x the best persistent build;
-    # padded rows (96 columns) lost to it (PERFORMANCE.md, "Narrow rows").
+    # a power-of-two width from fwd_tiles_min_row to fwd_short_max_row from fwd_tiles_min_m rows: measured on the
+    # H100 within about 1% of the best candidate at 64, 128 and 256 columns and 2^18-2^22 rows, 1.00-1.04x the best
+    # persistent build; padded rows (96 columns) lost to it; narrower rows were not swept (PERFORMANCE.md, "Narrow
+    # rows").
     fwd_tiles_tile_elems: int = 4096
+    fwd_tiles_max_tile_m: int = 64  # the tallest winner of the sweeps (64 x 64): rows of a few columns stop there
     fwd_tiles_short_occupancy: int = 8
     fwd_tiles_short_worker_warps: int = 8
     fwd_tiles_min_m: int = 1 << 18
+    fwd_tiles_min_row: int = 64
     # Backward rows of at most bwd_short_max_row padded columns take bwd_short_tile_m rows per tile (more
     # than max_tile_m: x and dy of one such tile are only a few KB; every dtype: PERFORMANCE.md, "Narrow
     # rows").

@@ -119,7 +119,7 @@ def forward_candidate(
         preferred = p.gather_preferred_min_n <= n <= p.gather_preferred_max_n and m >= p.gather_preferred_min_m
         gather_wins = (preferred and fills_tile) or n >= p.gather_min_n
         kernel = "gather" if few_rows or gather_wins else "persistent"
-        short = padded <= p.fwd_short_max_row and dtype.itemsize == 2
+        short = p.fwd_tiles_min_row <= padded <= p.fwd_short_max_row and dtype.itemsize == 2
         if kernel == "persistent" and short and n == padded and m >= p.fwd_tiles_min_m:
             kernel = "tiles"
     if kernel not in FORWARD_KERNELS:
@@ -150,7 +150,7 @@ def forward_candidate(
 def _tiles_candidate(tile_n: int, tail_n: int, p: Heuristics) -> ForwardCandidate:
     """The analytic "tiles" forward for rows held as ``tile_n`` (plus ``tail_n``) columns: ``fwd_tiles_*``."""
     row = tile_n + tail_n
-    tile_m = prev_pow2(max(p.fwd_tiles_tile_elems // row, 1))
+    tile_m = min(p.fwd_tiles_max_tile_m, prev_pow2(max(p.fwd_tiles_tile_elems // row, 1)))
     if row <= p.fwd_short_max_row:
         occupancy, warps = p.fwd_tiles_short_occupancy, p.fwd_tiles_short_worker_warps
     else:  # a row or two per block: as the gather kernel's row
