@@ -290,7 +290,7 @@ def _emulated_launch(calls):
         name = kernel_name(kernel)
         calls.append(name)
         if name == "gated_rms_norm_fwd":
-            x, z, w, y, rstd, eps, offset, _tm, tile_g, tile_s, cast, has_w, nbg, gate, store = args
+            x, z, w, y, rstd, eps, offset, _tm, tile_g, tile_s, cast, has_w, nbg, gate, store, _walk = args
             m, groups, size = x.shape
             assert grid[1] == -(-groups // tile_g) and size <= tile_s < 2 * size
             mode = reference.KERNEL_CASTING_MODES[cast]
@@ -416,6 +416,20 @@ def test_cutile_narrow_rows_take_the_head_settings(norm_before_gate):
     assert dict(cfg.bwd.hints)["occupancy"] == p.gated_narrow_occupancy
     invariant = config.gated_config(1 << 18, 128, 128, torch.bfloat16, 132, invariant=True)
     assert invariant.fwd.tile_m == invariant.bwd.tile_m == 1
+    assert cfg.fwd.walk and invariant.fwd.walk
+
+
+def test_cutile_narrow_forward_of_one_row_tile_per_block():
+    """gated_narrow_fwd_walk off: the forward of narrow rows launches a block per row tile without the walk; wider
+    rows and the batch-invariant mode keep the walk."""
+    from tilegym_rms.cutile import config
+
+    with config.override(gated_narrow_fwd_walk=False):
+        m = (1 << 18) + 3
+        cfg = config.gated_config(m, 128, 128, torch.bfloat16, 132)
+        assert not cfg.fwd.walk and cfg.fwd.grid == (-(-m // cfg.fwd.tile_m), 1) and cfg.bwd.walk
+        assert config.gated_config(m, 4096, 512, torch.bfloat16, 132).fwd.walk
+        assert config.gated_config(m, 128, 128, torch.bfloat16, 132, invariant=True).fwd.walk
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,23 @@ def _check(backend, x, z, w, dy, group_size, norm_before_gate, casting_mode="lla
     return y, grads
 
 
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize("m", MS)
+def test_cutile_narrow_forward_of_one_row_tile_per_block(m, norm_before_gate):
+    """The one-head forward with gated_narrow_fwd_walk off (a block per row tile, no walk): values and gradients
+    against float64, a partial last tile at 7 and 4097 rows."""
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile import config
+
+    x, z, w, dy = _inputs(m, 128, torch.bfloat16, torch.bfloat16, seed=m)
+    cutile.clear_caches()
+    try:
+        with config.override(gated_narrow_fwd_walk=False):
+            _check("cutile", x, z, w, dy, None, norm_before_gate)
+    finally:
+        cutile.clear_caches()
+
+
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,group_size", SHAPES)
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -18,6 +18,7 @@ class GatedLaunch:
     tile_g: int  # groups per tile (a power of two; the last chunk may be padded)
     grid: tuple[int, int]  # (persistent over row tiles, chunks of tile_g groups)
     hints: Hints = ()
+    walk: bool = True  # False: one row tile per block, without the loop (grid[0] is every row tile)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def gated_config(
     tile_g = min(next_pow2(groups), max(1, p.gated_max_group_row // tile_s))
     chunks, row = cdiv(groups, tile_g), tile_g * tile_s  # row: a tile row's padded columns
 
-    def launch(tile_elems, blocks_per_sm, hints, one_tile_per_block=False):
+    def launch(tile_elems, blocks_per_sm, hints, one_tile_per_block=False, walk=True):
         by_rows = prev_pow2(max(m_bucket(m) * chunks // max(num_sms, 1), 1))  # a tile for every SM first
         by_size = prev_pow2(max(tile_elems // row, 1))
         tile_m = 1 if invariant else max(1, min(p.gated_max_tile_m, by_size, by_rows))
@@ -59,7 +60,7 @@ def gated_config(
         grid = cdiv(m, tile_m)
         if not one_tile_per_block:
             grid = min(max(num_sms * blocks_per_sm // chunks, 1), grid)
-        return GatedLaunch(tile_m, tile_g, (max(1, grid), chunks), hints)
+        return GatedLaunch(tile_m, tile_g, (max(1, grid), chunks), hints, walk)
 
     hints = make_hints(occupancy=p.gated_occupancy, num_worker_warps=p.gated_worker_warps)
     fwd_elems = p.gated_fwd_tile_elems if row <= p.gated_fwd_small_max_row else p.gated_fwd_wide_tile_elems
@@ -73,6 +74,7 @@ def gated_config(
     if row >= p.gated_bwd_wide_min_row:  # the plain wide backward's settings
         bwd_hints = make_hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps)
         bwd_blocks = p.bwd_wide_blocks_per_sm
+    fwd_walk = invariant or row > p.gated_narrow_max_row or p.gated_narrow_fwd_walk
     if row <= p.gated_narrow_max_row and not invariant:  # a head per tile row: gated_narrow_bwd_*
         side = "before" if norm_before_gate else "after"
         bwd_elems, bwd_blocks, bwd_warps = (
@@ -81,6 +83,6 @@ def gated_config(
         bwd_hints = make_hints(occupancy=p.gated_narrow_occupancy, num_worker_warps=bwd_warps)
     return GatedConfig(
         tile_s,
-        launch(fwd_elems, p.gated_fwd_blocks_per_sm, hints, invariant),
+        launch(fwd_elems, p.gated_fwd_blocks_per_sm, hints, invariant or not fwd_walk, fwd_walk),
         launch(bwd_elems, bwd_blocks, bwd_hints),
     )

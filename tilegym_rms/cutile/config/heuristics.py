@@ -196,6 +196,9 @@ class Heuristics:
     # The forward keeps the settings above (the sweep's narrow forward won with one gate and lost with others).
     gated_narrow_max_row: int = 256
     gated_narrow_occupancy: int = 4
+    # False: the forward of such rows runs one row tile per block, without the walk (the plain forward's "tiles");
+    # built for a sweep (tune_cutile --set gated_narrow_fwd_walk=0,1), not yet measured.
+    gated_narrow_fwd_walk: bool = True
     gated_narrow_bwd_before_tile_elems: int = 16384
     gated_narrow_bwd_before_blocks_per_sm: int = 8
     gated_narrow_bwd_before_worker_warps: int = 8

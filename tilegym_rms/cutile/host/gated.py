@@ -32,7 +32,7 @@ def forward_launch(tgt: Target, m, n, group_size, dtype, casting_mode, has_w, no
         return None
     f = cfg.fwd
     constants = (f.tile_m, f.tile_g, cfg.tile_s, CASTING_CODES[casting_mode], has_w, norm_before_gate,
-                 GATE_CODES[activation], store_rstd)  # fmt: skip
+                 GATE_CODES[activation], store_rstd, f.walk)  # fmt: skip
     return make_launch(common.kernels().gated_rms_norm_fwd, f.grid, constants, f.hints)
 
 

@@ -92,6 +92,18 @@ def _gated_output(h, r, wt, s, CAST, NORM_BEFORE_GATE, dtype):
     return ct.astype(ct.astype(_normalize(h, r, wt, CAST, dtype), _F32) * s, dtype)
 
 
+def _gated_fwd_tile(t, x, z, y, rstd, wt, eps, chunk, TILE_M, TILE_G, TILE_S, CAST, NORM_BEFORE_GATE, GATE, STORE_RSTD):
+    """Row tile ``t`` of group chunk ``chunk``: y (and rstd with ``STORE_RSTD``)."""
+    shape = (TILE_M, TILE_G, TILE_S)
+    s = _gate(_load_f32(z, (t, chunk, 0), shape, 10), CAST, GATE, x.dtype)
+    h = _gated_input(_load_f32(x, (t, chunk, 0), shape, 10), s, CAST, NORM_BEFORE_GATE, x.dtype)
+    r = _rstd_from_sum_sq(ct.sum(h * h, axis=2, keepdims=True), x.shape[2], eps, CAST, x.dtype)
+    out = _gated_output(h, r, wt, s, CAST, NORM_BEFORE_GATE, y.dtype)
+    ct.store(y, (t, chunk, 0), out, allow_tma=False, latency=3)
+    if STORE_RSTD:
+        ct.store(rstd, (t, chunk), ct.reshape(r, (TILE_M, TILE_G)), allow_tma=False)
+
+
 @experimental_kernel
 @ct.kernel
 def gated_rms_norm_fwd(
@@ -110,19 +122,19 @@ def gated_rms_norm_fwd(
     NORM_BEFORE_GATE: ct.Constant[bool],
     GATE: ct.Constant[int],
     STORE_RSTD: ct.Constant[bool],
+    WALK: ct.Constant[bool],
 ):
-    """One read of x and z, one write of y (and of rstd with ``STORE_RSTD``; else ``rstd`` is a dummy)."""
+    """One read of x and z, one write of y (and of rstd with ``STORE_RSTD``; else ``rstd`` is a dummy).
+    ``WALK``: grid axis 0 strides over the row tiles; otherwise each block runs row tile ``bid(0)`` alone (no loop,
+    no ring of load stages: the plain forward's ``"tiles"``)."""
     chunk = ct.bid(1)
-    shape = (TILE_M, TILE_G, TILE_S)
     wt = _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, x.dtype)
-    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
-        s = _gate(_load_f32(z, (t, chunk, 0), shape, 10), CAST, GATE, x.dtype)
-        h = _gated_input(_load_f32(x, (t, chunk, 0), shape, 10), s, CAST, NORM_BEFORE_GATE, x.dtype)
-        r = _rstd_from_sum_sq(ct.sum(h * h, axis=2, keepdims=True), x.shape[2], eps, CAST, x.dtype)
-        out = _gated_output(h, r, wt, s, CAST, NORM_BEFORE_GATE, y.dtype)
-        ct.store(y, (t, chunk, 0), out, allow_tma=False, latency=3)
-        if STORE_RSTD:
-            ct.store(rstd, (t, chunk), ct.reshape(r, (TILE_M, TILE_G)), allow_tma=False)
+    consts = (TILE_M, TILE_G, TILE_S, CAST, NORM_BEFORE_GATE, GATE, STORE_RSTD)
+    if WALK:
+        for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
+            _gated_fwd_tile(t, x, z, y, rstd, wt, eps, chunk, *consts)
+    else:
+        _gated_fwd_tile(ct.bid(0), x, z, y, rstd, wt, eps, chunk, *consts)
 
 
 @experimental_kernel
