@@ -169,37 +169,17 @@ CLASSES = (
         # It differs from the gather classes by one store: a tiny row, a padded row, a chunked row.
         ns=(3, 5120, 65537),
     ),
-    KernelClass(
-        "fwd_persistent",
-        "forward",
-        (PERSISTENT,),
-        lambda c: c.kernel == "persistent" and not c.tail_n,
-        "per-row sums of squares of a multi-row tile, once per grid-stride step",
-        kernel="persistent",
-    ),
-    KernelClass(
-        "fwd_persistent_tail",
-        "forward",
-        (PERSISTENT,),
-        lambda c: c.kernel == "persistent" and c.tail_n > 0,
-        "per-row sums of squares over the tile and the tail tile, once per grid-stride step",
-        kernel="persistent",
-    ),
-    KernelClass(
-        "fwd_tiles",
-        "forward",
-        (PERSISTENT,),
-        lambda c: c.kernel == "tiles" and not c.tail_n,
-        "per-row sums of squares of a multi-row tile, one tile per block (no walk)",
-        kernel="tiles",
-    ),
-    KernelClass(
-        "fwd_tiles_tail",
-        "forward",
-        (PERSISTENT,),
-        lambda c: c.kernel == "tiles" and c.tail_n > 0,
-        "per-row sums of squares over the tile and the tail tile, one tile per block (no walk)",
-        kernel="tiles",
+    *(
+        KernelClass(
+            f"fwd_{kernel}{'_tail' if tail else ''}",
+            "forward",
+            (PERSISTENT,),
+            lambda c, kernel=kernel, tail=tail: c.kernel == kernel and (c.tail_n > 0) == tail,
+            f"per-row sums of squares {'over the tile and the tail tile' if tail else 'of a multi-row tile'}, {how}",
+            kernel=kernel,
+        )
+        for kernel, how in (("persistent", "once per grid-stride step"), ("tiles", "one tile per block (no walk)"))
+        for tail in (False, True)
     ),
     KernelClass(
         "bwd_direct",
