@@ -58,7 +58,7 @@ def gated_config(
         tile_m = 1 if invariant else max(1, min(p.gated_max_tile_m, by_size, by_rows))
         # Blocks over both axes: about blocks_per_sm per SM, at most one per row tile.
         grid = cdiv(m, tile_m)
-        if not one_tile_per_block:
+        if walk and not one_tile_per_block:
             grid = min(max(num_sms * blocks_per_sm // chunks, 1), grid)
         return GatedLaunch(tile_m, tile_g, (max(1, grid), chunks), hints, walk)
 
@@ -74,8 +74,8 @@ def gated_config(
     if row >= p.gated_bwd_wide_min_row:  # the plain wide backward's settings
         bwd_hints = make_hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps)
         bwd_blocks = p.bwd_wide_blocks_per_sm
-    fwd_walk = invariant or row > p.gated_narrow_max_row or p.gated_narrow_fwd_walk
-    if row <= p.gated_narrow_max_row and not invariant:  # a head per tile row: gated_narrow_bwd_*
+    narrow = row <= p.gated_narrow_max_row and not invariant  # a head per tile row: gated_narrow_*
+    if narrow:
         side = "before" if norm_before_gate else "after"
         bwd_elems, bwd_blocks, bwd_warps = (
             getattr(p, f"gated_narrow_bwd_{side}_{k}") for k in ("tile_elems", "blocks_per_sm", "worker_warps")
@@ -83,6 +83,6 @@ def gated_config(
         bwd_hints = make_hints(occupancy=p.gated_narrow_occupancy, num_worker_warps=bwd_warps)
     return GatedConfig(
         tile_s,
-        launch(fwd_elems, p.gated_fwd_blocks_per_sm, hints, invariant or not fwd_walk, fwd_walk),
+        launch(fwd_elems, p.gated_fwd_blocks_per_sm, hints, invariant, not narrow or p.gated_narrow_fwd_walk),
         launch(bwd_elems, bwd_blocks, bwd_hints),
     )

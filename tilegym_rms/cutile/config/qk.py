@@ -116,17 +116,16 @@ def qk_config(
         return max(1, count if blocks_per_sm == 0 else min(num_sms * blocks_per_sm, count))
 
     fwd_tiles, bwd_tiles = tiles(c.fwd_tile_m), tiles(c.bwd_tile_m)
+    fwd_walk = c.fwd_blocks_per_sm > 0
     return QKConfig(
         tile_n,
         c.fwd_tile_m,
         c.bwd_tile_m,
         grid(fwd_tiles, c.fwd_blocks_per_sm),
         grid(bwd_tiles, c.bwd_blocks_per_sm),
-        make_hints(
-            occupancy=c.fwd_occupancy, num_worker_warps=0 if c.fwd_blocks_per_sm else p.qk_fwd_tiles_worker_warps
-        ),
+        make_hints(occupancy=c.fwd_occupancy, num_worker_warps=0 if fwd_walk else p.qk_fwd_tiles_worker_warps),
         make_hints(occupancy=c.bwd_occupancy),
         fwd_tiles,
         bwd_tiles,
-        c.fwd_blocks_per_sm > 0,
+        fwd_walk,
     )

@@ -27,7 +27,7 @@ class ForwardConfig:
     single_tile: bool  # gather only: the row fits one tile
     grid: int
     hints: Hints = ()  # compiler hints (occupancy, num_worker_warps)
-    tail_n: int = 0  # persistent: width of the tail tile after the first tile_n columns (0: none)
+    tail_n: int = 0  # persistent and tiles: width of the tail tile after the first tile_n columns (0: none)
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,11 @@ def persistent_class(row: int, prefix: str, p: Heuristics) -> tuple[int, int, in
     return tuple(getattr(p, f"{key}_{name}") for name in ("blocks_per_sm", "occupancy", "worker_warps"))
 
 
-def tile_rows(row: int, target_elems: int, p: Heuristics) -> int:
+def tile_rows(row: int, target_elems: int, p: Heuristics, most: int | None = None) -> int:
+    """Rows of ``row`` padded columns in a tile of about ``target_elems`` elements, a power of two of at most
+    ``most`` rows (None: ``max_tile_m``)."""
     # Independent of M on purpose: every M then shares one compiled variant per (N, dtype).
-    return max(1, min(p.max_tile_m, prev_pow2(max(target_elems // row, 1))))
+    return max(1, min(p.max_tile_m if most is None else most, prev_pow2(max(target_elems // row, 1))))
 
 
 def _strip_width(n: int, num_sms: int, narrowest: int, widest: int) -> int:
@@ -109,7 +111,7 @@ def forward_candidate(
     m: int, n: int, dtype: torch.dtype, num_sms: int, kernel: str | None = None, params: Heuristics | None = None
 ) -> ForwardCandidate:
     """The analytic heuristics' forward choice. ``kernel`` forces one of :data:`FORWARD_KERNELS` ("tiles": the
-    persistent choice's tiles and hints, one tile per block)."""
+    persistent choice's row split, with the ``fwd_tiles_*`` tiles and hints)."""
     p = params or current()
     padded = next_pow2(n)
     fits = padded <= p.fwd_max_single_tile_n
@@ -150,7 +152,7 @@ def forward_candidate(
 def _tiles_candidate(tile_n: int, tail_n: int, p: Heuristics) -> ForwardCandidate:
     """The analytic "tiles" forward for rows held as ``tile_n`` (plus ``tail_n``) columns: ``fwd_tiles_*``."""
     row = tile_n + tail_n
-    tile_m = min(p.fwd_tiles_max_tile_m, prev_pow2(max(p.fwd_tiles_tile_elems // row, 1)))
+    tile_m = tile_rows(row, p.fwd_tiles_tile_elems, p, p.fwd_tiles_max_tile_m)
     if row <= p.fwd_short_max_row:
         occupancy, warps = p.fwd_tiles_short_occupancy, p.fwd_tiles_short_worker_warps
     else:  # a row or two per block: as the gather kernel's row

@@ -132,7 +132,7 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
             for t in (max(1, tiles.tile_m // 2), tiles.tile_m, tiles.tile_m * 2):
                 for o in (max(1, tiles.occupancy // 2), tiles.occupancy, tiles.occupancy * 2):
                     add(replace(base, fwd_tile_m=t, fwd_blocks_per_sm=0, fwd_occupancy=o))
-        if wide:  # the plain norm's choice for rows of one head (its measured short-row settings)
+            # the plain norm's choice for rows of one head (its measured short-row settings)
             f = config.forward_candidate(m_b, n_b, dtype, sms, "persistent")
             b = config.backward_candidate(m_b, n_b, dtype, sms)
             add(replace(base, fwd_tile_m=f.tile_m, fwd_blocks_per_sm=f.blocks_per_sm, fwd_occupancy=f.occupancy))
@@ -151,8 +151,9 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
                 for occupancy in occupancies:
                     add(replace(base, occupancy=occupancy))
                 continue
-            if kernel == "tiles":
-                _add_tile_builds(add, base, occupancies, wide)
+            if kernel == "tiles":  # the quick set times its analytic tiles only
+                if wide:
+                    _add_tile_builds(add, base, occupancies)
                 continue
             if not wide:
                 add(replace(base, blocks_per_sm=base.blocks_per_sm * 2))
@@ -192,13 +193,11 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
     return out
 
 
-def _add_tile_builds(add, base, occupancies: list[int], wide: bool) -> None:
-    """Neighbours of the one-tile-per-block forward (``"tiles"``): none in the quick set (its analytic tiles only);
-    ``wide``: half to four times the rows, occupancy hints of two and four times the analytic one, each with the
-    compiler's warps and with eight. Without a load ring, bytes in flight per SM come from the resident blocks
-    (the hint) times each block's tile (PERFORMANCE.md, "Narrow rows")."""
-    if not wide:
-        return
+def _add_tile_builds(add, base, occupancies: list[int]) -> None:
+    """The wide set's neighbours of the one-tile-per-block forward (``"tiles"``): half to four times the rows,
+    occupancy hints of two and four times the analytic one, each with the compiler's warps and with eight. Without
+    a load ring, bytes in flight per SM come from the resident blocks (the hint) times each block's tile
+    (PERFORMANCE.md, "Narrow rows")."""
     for tile_m in (max(1, base.tile_m // 2), base.tile_m, base.tile_m * 2, base.tile_m * 4):
         for occupancy in (base.occupancy, *occupancies):
             for warps in (0, 8):
