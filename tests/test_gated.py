@@ -400,36 +400,41 @@ def test_cutile_tiles_hold_whole_groups(m, n, group_size):
 
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 def test_cutile_narrow_rows_take_the_head_settings(norm_before_gate):
-    """The backward of rows of one narrow group (a 128-wide head): the gated_narrow_* settings by where the gate
-    applies (PERFORMANCE.md, "Gated RMSNorm"); the forward keeps the general ones; the batch-invariant mode keeps
-    its one-row tiles."""
+    """Rows of one narrow group (a 128-wide head): the backward takes the gated_narrow_* settings by where the gate
+    applies, the forward one row tile of gated_narrow_fwd_tile_elems per block without the walk (PERFORMANCE.md,
+    "Gated RMSNorm"); the batch-invariant mode keeps its walked one-row tiles."""
     from tilegym_rms.cutile import config
 
     p = config.HEURISTICS
     cfg = config.gated_config(1 << 18, 128, 128, torch.bfloat16, 132, norm_before_gate=norm_before_gate)
     side = "before" if norm_before_gate else "after"
-    assert cfg.fwd.tile_m * 128 == min(p.gated_fwd_tile_elems, p.gated_max_tile_m * 128)
-    assert dict(cfg.fwd.hints) == {"occupancy": p.gated_occupancy, "num_worker_warps": p.gated_worker_warps}
+    assert cfg.fwd.tile_m * 128 == p.gated_narrow_fwd_tile_elems
+    assert dict(cfg.fwd.hints) == {"occupancy": p.gated_narrow_occupancy, "num_worker_warps": p.gated_worker_warps}
+    assert not cfg.fwd.walk and cfg.fwd.grid == (-(-(1 << 18) // cfg.fwd.tile_m), 1)
     assert cfg.bwd.tile_m * 128 == getattr(p, f"gated_narrow_bwd_{side}_tile_elems")
     assert cfg.bwd.grid == (132 * getattr(p, f"gated_narrow_bwd_{side}_blocks_per_sm"), 1)
     assert dict(cfg.bwd.hints).get("num_worker_warps", 0) == getattr(p, f"gated_narrow_bwd_{side}_worker_warps")
     assert dict(cfg.bwd.hints)["occupancy"] == p.gated_narrow_occupancy
     invariant = config.gated_config(1 << 18, 128, 128, torch.bfloat16, 132, invariant=True)
     assert invariant.fwd.tile_m == invariant.bwd.tile_m == 1
-    assert cfg.fwd.walk and invariant.fwd.walk
+    assert invariant.fwd.walk
 
 
-def test_cutile_narrow_forward_of_one_row_tile_per_block():
-    """gated_narrow_fwd_walk off: the forward of narrow rows launches a block per row tile without the walk; wider
-    rows and the batch-invariant mode keep the walk."""
+def test_cutile_narrow_forward_walks_when_asked():
+    """gated_narrow_fwd_walk on: the forward of narrow rows walks its row tiles with the general settings, as wider
+    rows do; a partial last tile still gets a block."""
     from tilegym_rms.cutile import config
 
-    with config.override(gated_narrow_fwd_walk=False):
-        m = (1 << 18) + 3
+    p = config.HEURISTICS
+    m = (1 << 18) + 3
+    with config.override(gated_narrow_fwd_walk=True):
         cfg = config.gated_config(m, 128, 128, torch.bfloat16, 132)
-        assert not cfg.fwd.walk and cfg.fwd.grid == (-(-m // cfg.fwd.tile_m), 1) and cfg.bwd.walk
-        assert config.gated_config(m, 4096, 512, torch.bfloat16, 132).fwd.walk
-        assert config.gated_config(m, 128, 128, torch.bfloat16, 132, invariant=True).fwd.walk
+        assert cfg.fwd.walk and cfg.bwd.walk and cfg.fwd.grid == (132 * p.gated_fwd_blocks_per_sm, 1)
+        assert cfg.fwd.tile_m * 128 == min(p.gated_fwd_tile_elems, p.gated_max_tile_m * 128)
+        assert dict(cfg.fwd.hints) == {"occupancy": p.gated_occupancy, "num_worker_warps": p.gated_worker_warps}
+    cfg = config.gated_config(m, 128, 128, torch.bfloat16, 132)
+    assert not cfg.fwd.walk and cfg.fwd.grid[0] * cfg.fwd.tile_m >= m > (cfg.fwd.grid[0] - 1) * cfg.fwd.tile_m
+    assert config.gated_config(m, 4096, 512, torch.bfloat16, 132).fwd.walk
 
 
 @pytest.mark.parametrize(

@@ -78,16 +78,16 @@ def _check(backend, x, z, w, dy, group_size, norm_before_gate, casting_mode="lla
 
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize("m", MS)
-def test_cutile_narrow_forward_of_one_row_tile_per_block(m, norm_before_gate):
-    """The one-head forward with gated_narrow_fwd_walk off (a block per row tile, no walk): values and gradients
-    against float64, a partial last tile at 7 and 4097 rows."""
+def test_cutile_narrow_forward_walked(m, norm_before_gate):
+    """The one-head forward with gated_narrow_fwd_walk on (walked row tiles, the general settings; the default runs a
+    block per row tile): values and gradients against float64, a partial last tile at 7 and 4097 rows."""
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import config
 
     x, z, w, dy = _inputs(m, 128, torch.bfloat16, torch.bfloat16, seed=m)
     cutile.clear_caches()
     try:
-        with config.override(gated_narrow_fwd_walk=False):
+        with config.override(gated_narrow_fwd_walk=True):
             _check("cutile", x, z, w, dy, None, norm_before_gate)
     finally:
         cutile.clear_caches()

@@ -413,7 +413,7 @@ def gated_variants() -> list[Variant]:
             REPRESENTATIVE_M[0], n, group_size, torch.bfloat16, torch.bfloat16, False, False, True
         )
         found.update(dict.fromkeys(more))
-    with config.override(gated_narrow_fwd_walk=False):  # the one-head forward of one row tile per block
+    with config.override(gated_narrow_fwd_walk=True):  # the one-head forward walked, the switch's other side
         more = gated_variants_for(REPRESENTATIVE_M[-1], 128, 128, torch.bfloat16, torch.bfloat16, every_path=False)
         found.update(dict.fromkeys(more))
     return list(found)

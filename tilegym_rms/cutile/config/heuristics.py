@@ -193,12 +193,13 @@ class Heuristics:
     # gated norm), measured on an H100 at 2^18 rows of 128 columns with a bf16 gate (PERFORMANCE.md, "Gated
     # RMSNorm"), by where the gate applies: gated_narrow_bwd_before_* (128-row tiles, eight warps) and
     # gated_narrow_bwd_after_* (16-row tiles, the compiler's warps), both at occupancy gated_narrow_occupancy.
-    # The forward keeps the settings above (the sweep's narrow forward won with one gate and lost with others).
+    # The forward of such rows runs one row tile of gated_narrow_fwd_tile_elems per block without the walk (the
+    # plain forward's "tiles"; gated_narrow_fwd_walk True walks them with the general settings instead), eight
+    # warps at occupancy gated_narrow_occupancy: the best build at 2^18 and 2^20 rows with either gate order.
     gated_narrow_max_row: int = 256
     gated_narrow_occupancy: int = 4
-    # False: the forward of such rows runs one row tile per block, without the walk (the plain forward's "tiles");
-    # built for a sweep (tune_cutile --set gated_narrow_fwd_walk=0,1), not yet measured.
-    gated_narrow_fwd_walk: bool = True
+    gated_narrow_fwd_walk: bool = False
+    gated_narrow_fwd_tile_elems: int = 4096
     gated_narrow_bwd_before_tile_elems: int = 16384
     gated_narrow_bwd_before_blocks_per_sm: int = 8
     gated_narrow_bwd_before_worker_warps: int = 8
