@@ -200,8 +200,9 @@ class Heuristics:
     # gated_narrow_bwd_after_* (16-row tiles, the compiler's warps), both at occupancy gated_narrow_occupancy.
     # The forward of such rows runs one row tile of gated_narrow_fwd_tile_elems per block without the walk (the
     # plain forward's "tiles"; gated_narrow_fwd_walk True walks them with the general settings instead), eight
-    # warps at occupancy gated_narrow_occupancy: the best build swept at 2^18 and 2^20 rows of 128 columns with a
-    # bf16 gate in either order, and ahead of the walk with an fp32 gate too; narrower heads take it unmeasured.
+    # warps at occupancy gated_narrow_occupancy: the best build swept at 2^18 and 2^20 rows of 128 bf16 columns with
+    # a bf16 gate in either order, and ahead of the walk with an fp32 gate too; other heads and x dtypes take it
+    # unmeasured.
     gated_narrow_max_row: int = 256
     gated_narrow_occupancy: int = 4
     gated_narrow_fwd_walk: bool = False
