@@ -74,18 +74,16 @@ def gated_config(
     if row >= p.gated_bwd_wide_min_row:  # the plain wide backward's settings
         bwd_hints = make_hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps)
         bwd_blocks = p.bwd_wide_blocks_per_sm
-    narrow = row <= p.gated_narrow_max_row and not invariant  # a head per tile row: gated_narrow_*
-    fwd_walk = not narrow or p.gated_narrow_fwd_walk
-    fwd_hints = hints
-    if not fwd_walk:
-        fwd_elems = p.gated_narrow_fwd_tile_elems
-        fwd_hints = make_hints(occupancy=p.gated_narrow_occupancy, num_worker_warps=p.gated_worker_warps)
-    if narrow:
+    fwd_hints, fwd_walk = hints, True
+    if row <= p.gated_narrow_max_row and not invariant:  # a head per tile row: gated_narrow_*
         side = "before" if norm_before_gate else "after"
         bwd_elems, bwd_blocks, bwd_warps = (
             getattr(p, f"gated_narrow_bwd_{side}_{k}") for k in ("tile_elems", "blocks_per_sm", "worker_warps")
         )
         bwd_hints = make_hints(occupancy=p.gated_narrow_occupancy, num_worker_warps=bwd_warps)
+        if not p.gated_narrow_fwd_walk:
+            fwd_elems, fwd_walk = p.gated_narrow_fwd_tile_elems, False
+            fwd_hints = make_hints(occupancy=p.gated_narrow_occupancy, num_worker_warps=p.gated_worker_warps)
     return GatedConfig(
         tile_s,
         launch(fwd_elems, p.gated_fwd_blocks_per_sm, fwd_hints, invariant, fwd_walk),
