@@ -977,6 +977,32 @@ def test_overlay_keeps_the_incumbent_unless_the_sweep_beats_it_by_min_gain(gain,
     assert table.lookup("backward", 16384, 4096, BF16) == incumbent  # below the sweep: the base's
 
 
+@pytest.mark.parametrize("fwd_gain, bwd_gain", [(1.01, 1.03), (1.03, 1.01), (1.015, 1.015), (1.05, 1.05)])
+def test_overlay_keeps_each_qk_half_unless_the_sweep_beats_it_by_min_gain(fwd_gain, bwd_gain):
+    """A qk sweep times the forward and the backward half apart; each half of a re-timed bucket changes only
+    where the sweep's half beats what the base launched there by min_gain, so one half's noise does not ride
+    in with the other's gain."""
+    d, m = 128, 1048576
+    base = tuning.packaged("sm90_132sm").doc
+    incumbent = tuning.load(base).lookup("qk", m, d, BF16)
+    challenger = config.QKCandidate(
+        incumbent.fwd_tile_m * 2, incumbent.bwd_tile_m * 2, 0, incumbent.bwd_blocks_per_sm * 2, 8, 4
+    )
+    assert tuning.candidate_error("qk", challenger, d) is None
+    gbps = {
+        build.qk_half_label(incumbent, "fwd"): 2000.0,
+        build.qk_half_label(challenger, "fwd"): 2000.0 * fwd_gain,
+        build.qk_half_label(incumbent, "bwd"): 2000.0,
+        build.qk_half_label(challenger, "bwd"): 2000.0 * bwd_gain,
+    }
+    sweep = build.new_doc("sm90_132sm", base["device"]["name"], (9, 0), SMS, "measured", "sweep")
+    build.set_runs(sweep, "qk", "bf16", d, [{"m": m, "winner": asdict(challenger), "gbps": gbps}])
+    got = tuning.load(build.overlay(base, sweep, 0.02)).lookup("qk", m, d, BF16)
+    for side, gain in (("fwd", fwd_gain), ("bwd", bwd_gain)):
+        want = challenger if gain >= 1.02 else incumbent
+        assert build.qk_half_label(got, side) == build.qk_half_label(want, side), side
+
+
 def test_overlay_takes_the_sweeps_winner_where_the_incumbent_was_not_timed():
     n, m = 4096, 32768
     base = build.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")

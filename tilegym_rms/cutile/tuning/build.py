@@ -301,10 +301,18 @@ def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dic
     """A measured sweep ``run`` whose winner yields to ``incumbent`` (what the base launches at that M bucket)
     when the sweep timed the incumbent too and its winner beats it by less than ``min_gain``: as the sweep's
     own rule keeps the analytic choice (:func:`select_winner`), so a re-timed table keeps its choices within
-    the noise. qk runs are timed by halves and stay as measured."""
-    if op == "qk" or run["winner"] == incumbent:
+    the noise. A qk run is timed by halves: each half (forward, backward) yields on its own."""
+    if run["winner"] == incumbent:
         return run
     gbps = run["gbps"]
+    if op == "qk":
+        winner = dict(run["winner"])
+        for side in ("fwd", "bwd"):
+            mine = gbps.get(qk_half_label(parse_winner(op, incumbent, "incumbent"), side))
+            theirs = gbps.get(qk_half_label(parse_winner(op, winner, "winner"), side))
+            if mine is not None and theirs is not None and theirs < mine * (1 + min_gain):
+                winner.update({k: v for k, v in incumbent.items() if k.startswith(f"{side}_")})
+        return {**run, "winner": winner}
     mine = gbps.get(label(op, parse_winner(op, incumbent, "incumbent")))
     theirs = gbps.get(label(op, parse_winner(op, run["winner"], "winner")))
     if mine is None or theirs is None or theirs >= mine * (1 + min_gain):
