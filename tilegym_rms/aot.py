@@ -77,13 +77,17 @@ def params_of(args: tuple) -> tuple:
     )
 
 
-def _collector():
+def _collector(grids: dict | None = None):
     """``(found, record)``: ``record`` is a launcher for the host's ``start`` functions
-    (:mod:`tilegym_rms.cutile.host.common`) that keeps the variant of each launch in ``found``, in order."""
+    (:mod:`tilegym_rms.cutile.host.common`) that keeps the variant of each launch in ``found``, in order, and
+    its first launch's grid in ``grids`` when given."""
     found: dict[Variant, None] = {}
 
     def record(kernel, grid, args, device_index, hints=(), built=None):
-        found.setdefault(Variant(kernel_name(kernel), params_of(args), hints), None)
+        variant = Variant(kernel_name(kernel), params_of(args), hints)
+        found.setdefault(variant, None)
+        if grids is not None:
+            grids.setdefault(variant, tuple(grid))
 
     return found, record
 
@@ -114,14 +118,16 @@ def variants_for(
     every_path: bool = True,
     table=None,
     invariant: bool = False,
+    grids: dict | None = None,
 ) -> list[Variant]:
     """The kernel variants the dispatcher launches for an ``(m, n)`` input of ``dtype`` (forward in each of
     ``kernels``, backward and the dw reduction): with ``every_path``, every casting mode, the no-weight and
     the no-rstd variants on bf16; otherwise only a training call's (default casting, weight, rstd stored).
     ``table``: a tuning table whose winners the configs follow (None: the analytic heuristics); ``invariant``:
-    in the batch-invariant mode. The weight has x's dtype."""
+    in the batch-invariant mode; ``grids``, when given, receives each variant's launch grid. The weight has
+    x's dtype."""
     target = Target(num_sms, table, invariant)
-    found, record = _collector()
+    found, record = _collector(grids)
     x, w, rstd = _meta(dtype, m, n), _meta(dtype, n), _meta(torch.float32, m)
     for kernel in _available(target, m, n, dtype, kernels):
         # Every mode with a weight, the default without ("torch" launches "gemma"'s variant: one entry).

@@ -197,6 +197,47 @@ def test_kernel_resources_reports_what_the_table_launches(monkeypatch, capsys):
     assert "analytic heuristics" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "use, fit",
+    [
+        ({"REG": 255, "SHARED": 181376, "THREADS": 256}, 1),  # 256 registers x 256 threads: the whole file
+        ({"REG": 128, "SHARED": 103528, "THREADS": 256}, 2),  # registers and shared memory both allow 2
+        ({"REG": 64, "SHARED": 50920, "THREADS": 256}, 4),  # registers: 4; shared memory 4 (52 KB each)
+        ({"REG": 32, "SHARED": 17472, "THREADS": 384}, 5),  # 12 warps of 1024 registers: 5
+        ({"REG": 26, "SHARED": 0, "THREADS": 256}, 8),  # threads: 2048 / 256
+        ({"REG": 16, "SHARED": 0, "THREADS": 32}, 32),  # block slots
+        ({"REG": 64, "SHARED": 112000, "THREADS": 128}, 2),  # shared memory, with 1 KB reserved per block
+    ],
+)
+def test_blocks_that_fit_one_sm(use, fit):
+    """The occupancy arithmetic of kernel_resources.py on an sm_90 SM: 64K registers allocated per warp in
+    units of 256, 228 KB of shared memory less 1 KB per block, 2048 threads, 32 blocks."""
+    assert kr.blocks_that_fit(use, "sm_90") == fit
+    assert kr.blocks_that_fit(use, "sm_120") is None  # no limits recorded for that target
+    assert kr.blocks_that_fit({**use, "THREADS": 0}, "sm_90") is None
+
+
+def test_kernel_resources_reads_the_block_size_and_the_waves():
+    """The launched persistent forward of 8192 x 5120 (the table's 2 x 8192 tile) requires 256 threads, holds
+    one block per SM, and the launch line counts its waves from the grid the host makes."""
+    pytest.importorskip("cuda.tile")
+    from tilegym_rms import aot
+
+    cuobjdump = kr.find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton)")
+    table, _ = kr.chosen_table("sm_90", 132)
+    grids: dict = {}
+    variants = aot.variants_for(8192, 5120, torch.bfloat16, 132, (None,), False, table, grids=grids)
+    v = next(v for v in variants if v.kernel_name == "rms_norm_fwd_persistent")
+    use = kr.resource_usage(aot.cubin(v, "sm_90", as_launched=True), cuobjdump)
+    assert use["THREADS"] % 32 == 0 and use["THREADS"] >= 128
+    fit = kr.blocks_that_fit(use, "sm_90")
+    blocks = grids[v][0]
+    waves = -(-blocks // (fit * 132))
+    assert f"{fit} fit per SM: {waves} wave(s)" in kr.launch_shape(use, grids[v], "sm_90", 132)
+
+
 def test_untimed_records_keep_the_committed_layout():
     """Workspace records (sizes, not times) have no copy bandwidth or timing method, as in the committed JSON."""
     committed = json.loads((base.BENCH_DIR / "results" / "h100" / "rms_norm_backward.json").read_text())

@@ -19,6 +19,7 @@ makes for rows that are not 16-byte aligned (PERFORMANCE.md, "Toolchain").
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shutil
 import subprocess
@@ -42,12 +43,52 @@ def find_cuobjdump() -> str | None:
 
 
 def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int]:
-    """``{"REG": .., "STACK": .., "SHARED": .., "LOCAL": ..}`` of the single kernel in ``cubin``."""
+    """``{"REG": .., "STACK": .., "SHARED": .., "LOCAL": .., "THREADS": ..}`` of the single kernel in ``cubin``
+    (``THREADS``: the block size the kernel requires, 0 where it names none)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+        elf = subprocess.run([cuobjdump, "-elf", f.name], capture_output=True, text=True, check=True).stdout
+    use = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+    ntid = re.search(r"EIATTR_REQNTID\s+Format:\s+\S+\s+Value:\s+((?:0x[0-9a-f]+\s*)+)", elf)
+    use["THREADS"] = 0 if ntid is None else math.prod(int(v, 16) for v in ntid.group(1).split())
+    return use
+
+
+# Per-SM limits of the occupancy calculation, by compile target: registers, shared memory (bytes, the
+# largest carve-out), threads, blocks, and the shared memory the driver reserves per block.
+SM_LIMITS = {
+    "sm_80": {"regs": 65536, "shared": 167936, "threads": 2048, "blocks": 32, "reserved": 1024},
+    "sm_90": {"regs": 65536, "shared": 233472, "threads": 2048, "blocks": 32, "reserved": 1024},
+    "sm_100": {"regs": 65536, "shared": 233472, "threads": 2048, "blocks": 32, "reserved": 1024},
+}
+
+
+def blocks_that_fit(use: dict[str, int], arch: str) -> int | None:
+    """Blocks of a kernel with resources ``use`` (:func:`resource_usage`) that one SM of ``arch`` holds at
+    once, the least of what its registers (allocated per warp in units of 256), shared memory, threads and
+    block slots allow; None for a target without :data:`SM_LIMITS` or a kernel that names no block size."""
+    lim = SM_LIMITS.get(arch)
+    if lim is None or not use.get("THREADS"):
+        return None
+    warps = -(-use["THREADS"] // 32)
+    regs_per_warp = -(-max(use["REG"], 1) * 32 // 256) * 256
+    by_regs = (lim["regs"] // regs_per_warp) // warps
+    by_shared = lim["shared"] // (use["SHARED"] + lim["reserved"])
+    return min(by_regs, by_shared, lim["threads"] // use["THREADS"], lim["blocks"])
+
+
+def launch_shape(use: dict[str, int], grid: tuple[int, ...], arch: str, sms: int) -> str:
+    """One line on how a launch of ``grid`` blocks lands on ``sms`` SMs: threads per block, blocks that fit
+    per SM (:func:`blocks_that_fit`) and the waves that makes; more than one wave of a walking kernel means
+    blocks that start only when others end (PERFORMANCE.md, "The launched build and its load ring")."""
+    blocks = math.prod(grid)
+    fit = blocks_that_fit(use, arch)
+    if fit is None:
+        return f"grid {blocks}, {use.get('THREADS') or '?'} threads per block"
+    waves = -(-blocks // (fit * sms)) if fit else 0
+    return f"grid {blocks} ({blocks / sms:.1f} per SM), {use['THREADS']} threads, {fit} fit per SM: {waves} wave(s)"
 
 
 def chosen_table(arch: str, sms: int, analytic: bool = False):
@@ -84,9 +125,11 @@ def main(argv=None) -> int:
         m, n = (int(v) for v in item.lower().split("x"))
         print(f"{m} x {n}:")
         # What a training call launches for this shape (default dispatch, weight, llama casting).
-        for v in aot.variants_for(m, n, dtype, args.sms, kernels=(None,), every_path=False, table=table):
+        grids: dict = {}
+        for v in aot.variants_for(m, n, dtype, args.sms, (None,), False, table, grids=grids):
             use = resource_usage(aot.cubin(v, args.arch, as_launched=not args.generic), cuobjdump)
             print(f"  {v.describe():<96} REG {use['REG']:>3}  STACK {use['STACK']:>4}  SHARED {use['SHARED']:>6}")
+            print(f"    {launch_shape(use, grids[v], args.arch, args.sms)}")
     return 0
 
 
