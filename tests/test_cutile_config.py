@@ -169,6 +169,19 @@ def test_reduce_config_fills_the_sms_and_covers_n(n):
         assert red.grid >= SMS  # at least one block per SM whenever N allows it
 
 
+def test_the_reduction_takes_its_occupancy_hint_when_asked(host):
+    """reduce_occupancy: the dw reduction of the plain, gated and qk backward launches with that occupancy
+    hint; 0 (the default) leaves it to the compiler, as before."""
+    tgt = host.common.Target(SMS)
+    m, n = 32768, 5120
+    assert host.backward.backward_launches(tgt, m, n, BF16, True, False).reduce.hints == ()
+    with config.override(reduce_occupancy=4):
+        plain = host.backward.backward_launches(tgt, m, n, BF16, True, False).reduce
+        gated = host.gated.backward_launches(tgt, m, n, n, BF16, BF16, True, True).reduce
+    assert dict(plain.hints) == {"occupancy": 4} and gated.hints == plain.hints
+    assert plain.constants == host.backward.reduce_launch(tgt, n).constants  # same strips, only the hint
+
+
 def test_compiler_hints_follow_the_tile_width(host):
     """Narrow tiles get the occupancy hint; wide backward tiles one block per SM with 8 warps (PERFORMANCE.md,
     "Backward" and "Wide rows"); a zero constant sets no hint."""

@@ -109,6 +109,24 @@ def test_backward_dw_per_row_and_per_tile(n, dtype, per_row_max):
         cutile.clear_caches()
 
 
+@pytest.mark.parametrize("n", [1000, 5120])
+def test_backward_with_the_reductions_occupancy_hint(n):
+    """reduce_occupancy: the dw reduction built with an occupancy hint (a smaller ring of load stages, more
+    blocks per SM) sums the same partial rows; dw and dx against float64."""
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile import config
+    from tilegym_rms.cutile.host import backward
+
+    cutile.clear_caches()
+    try:
+        with config.override(reduce_occupancy=4):
+            launches = backward.cached_launches(0, 4097, n, torch.bfloat16, True, False)
+            assert dict(launches.reduce.hints) == {"occupancy": 4}
+            _check(4097, n, torch.bfloat16)
+    finally:
+        cutile.clear_caches()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
 @pytest.mark.parametrize("weight,offset", [(True, 0.0), (True, 1.0), (False, 0.0)])

@@ -144,6 +144,11 @@ class Heuristics:
     reduce_min_tile_n: int = 16
     reduce_max_tile_n: int = 32
     reduce_tile_elems: int = 4096
+    # Occupancy hint of the reduction (0: the compiler's). Without one the launched sm_90 build takes 255
+    # registers and a 67-149 KB ring of load stages, so one block fits per SM and 160-256 strips (N =
+    # 5120-8192) run in two waves; at 4 it holds 64 registers and 51 KB, four per SM, one wave up to
+    # N = 16896. Not yet timed against 0 (PERFORMANCE.md, "dw partials and the reduction").
+    reduce_occupancy: int = 0
 
     # QK-norm (qk_rms_norm): head dims are short (64-256), so the whole head is one tile (TILE_N =
     # next_pow2(D)) and a tile holds many rows. Widest head dim the one-tile qk kernels serve.

@@ -308,10 +308,13 @@ class ReduceConfig:
     tile_g: int  # partial rows per step
     tile_n: int  # columns per block
     grid: int
+    hints: Hints = ()
 
 
 def reduce_config(n: int, num_sms: int) -> ReduceConfig:
-    """Tiles of the final dw reduction for a hidden size ``n``."""
+    """Tiles and hints of the final dw reduction for a hidden size ``n``."""
     p = current()
     tile_n = _strip_width(n, num_sms, p.reduce_min_tile_n, p.reduce_max_tile_n)
-    return ReduceConfig(p.reduce_tile_elems // tile_n, tile_n, cdiv(n, tile_n))
+    return ReduceConfig(
+        p.reduce_tile_elems // tile_n, tile_n, cdiv(n, tile_n), make_hints(occupancy=p.reduce_occupancy)
+    )

@@ -22,7 +22,7 @@ def config_for(tgt: Target, m: int, n: int, dtype: torch.dtype) -> config.Backwa
 def reduce_launch(tgt: Target, n: int) -> Launch:
     """The dw reduction of an fp32 ``(rows, n)`` partial buffer into ``n`` columns."""
     red = config.reduce_config(n, tgt.sms)
-    return make_launch(common.kernels().rms_norm_dw_reduce, (red.grid,), (red.tile_g, red.tile_n))
+    return make_launch(common.kernels().rms_norm_dw_reduce, (red.grid,), (red.tile_g, red.tile_n), red.hints)
 
 
 def reduce(what: Launch, dw_partial, dw, dev: int, launch) -> None:
