@@ -238,6 +238,30 @@ def test_kernel_resources_reads_the_block_size_and_the_waves():
     assert f"{fit} fit per SM: {waves} wave(s)" in kr.launch_shape(use, grids[v], "sm_90", 132)
 
 
+def test_kernel_resources_sets_a_sweeps_timings_beside_their_waves():
+    """--waves-of: each persistent forward candidate a sweep timed, with the waves its launch makes (the same
+    2 x 8192 build at 8 blocks per SM runs more than one wave, at 1 one), and the summary per M bucket."""
+    pytest.importorskip("cuda.tile")
+    from dataclasses import asdict
+
+    from tilegym_rms.cutile import config
+    from tilegym_rms.cutile.tuning import build
+
+    if kr.find_cuobjdump() is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton)")
+    doc = build.new_doc("sm90_132sm", "test", (9, 0), 132, "measured", "test")
+    winner = config.ForwardCandidate("persistent", 2, 8192, 0, 8, 0, 0)
+    gbps = {"persistent 2x8192 b8 o0 w0": 2400.0, "persistent 2x8192 b1 o0 w0": 2000.0, "gather 1x8192 b0 o4 w0": 1.0}
+    build.set_runs(doc, "forward", "bf16", 5120, [{"m": 8192, "winner": asdict(winner), "gbps": gbps}])
+    rows = {r["label"]: r for r in kr.sweep_waves(doc, "sm_90", 132)}
+    assert set(rows) == {"persistent 2x8192 b8 o0 w0", "persistent 2x8192 b1 o0 w0"}
+    many, one = rows["persistent 2x8192 b8 o0 w0"], rows["persistent 2x8192 b1 o0 w0"]
+    assert (many["blocks"], one["blocks"]) == (8 * 132, 132) and many["fit"] == one["fit"] < 8
+    assert one["waves"] == 1 and many["waves"] == -(-8 // many["fit"])
+    summary = kr.waves_summary(list(rows.values()))
+    assert summary[1].split() == ["8192", "1", "1.200", "1", "0"]
+
+
 def test_untimed_records_keep_the_committed_layout():
     """Workspace records (sizes, not times) have no copy bandwidth or timing method, as in the committed JSON."""
     committed = json.loads((base.BENCH_DIR / "results" / "h100" / "rms_norm_backward.json").read_text())

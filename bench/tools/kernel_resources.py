@@ -14,11 +14,18 @@ splits its warps, so its registers, stack and shared memory differ from the buil
 makes for rows that are not 16-byte aligned (PERFORMANCE.md, "Toolchain").
 
     python -m bench.tools.kernel_resources --shapes 32768x4096,4096x16384,4096x32768 --dtype bf16
+
+Each launch line gives the grid, the blocks one SM holds and the waves they make. ``--waves-of`` takes a
+``tune_table`` candidates file instead and sets every persistent forward candidate it timed beside the waves
+its launch runs in (PERFORMANCE.md, "The launched build and its load ring"):
+
+    python -m bench.tools.kernel_resources --waves-of bench/results/h100/sweeps/table_sm90_132sm_candidates.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import shutil
@@ -102,6 +109,86 @@ def chosen_table(arch: str, sms: int, analytic: bool = False):
     return table, (f"the {key} tuning table" if table is not None else "the analytic heuristics")
 
 
+_FORWARD_LABEL = re.compile(r"(\w+) (\d+)x(\d+)(?:\+(\d+))? b(\d+) o(\d+) w(\d+)")
+
+
+def _launched_forward(dt: str, n: int, m: int, label: str, sms: int):
+    """``(variant, blocks)``: the forward build and grid the host makes for ``m`` rows of ``n`` in ``dt`` when
+    a table names the sweep candidate ``label`` (``tuning.build.label``) for them."""
+    from dataclasses import asdict
+
+    from tilegym_rms import aot
+    from tilegym_rms.cutile import config, tuning
+    from tilegym_rms.cutile.tuning import build
+
+    kind, *fields = _FORWARD_LABEL.fullmatch(label).groups()
+    cand = config.ForwardCandidate(kind, *(int(f or 0) for f in fields))
+    doc = build.new_doc("probe", "probe", (9, 0), sms, "measured", "kernel_resources")
+    build.set_runs(doc, "forward", dt, n, [{"m": 1, "winner": asdict(cand), "gbps": {}}])
+    grids: dict = {}
+    variant = aot.variants_for(m, n, base.DTYPES[dt], sms, (None,), False, tuning.load(doc), grids=grids)[0]
+    return variant, math.prod(grids[variant])
+
+
+def _launched_use(variant, arch: str) -> dict[str, int]:
+    from tilegym_rms import aot
+
+    return resource_usage(aot.cubin(variant, arch, as_launched=True), find_cuobjdump())
+
+
+def sweep_waves(doc: dict, arch: str, sms: int, jobs: int = 1) -> list[dict]:
+    """Every persistent forward candidate a sweep timed (``doc``: a ``tune_table`` candidates file), with its
+    GB/s, the grid the host makes, the blocks one SM holds, the waves, registers, stack and shared memory."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    points = [
+        (dt, int(key), run["m"], label, gbps)
+        for dt, by_n in doc.get("forward", {}).items()
+        for key, runs in by_n.items()
+        for run in runs
+        for label, gbps in run.get("gbps", {}).items()
+        if label.startswith("persistent ")
+    ]
+    launched = {p[:4]: _launched_forward(*p[:4], sms) for p in points}
+    variants = sorted({v for v, _ in launched.values()}, key=str)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        uses = dict(zip(variants, pool.map(_launched_use, variants, [arch] * len(variants)), strict=True))
+    out = []
+    for dt, n, m, label, gbps in points:
+        variant, blocks = launched[dt, n, m, label]
+        use = uses[variant]
+        fit = blocks_that_fit(use, arch)
+        out.append({
+            "dtype": dt, "n": n, "m": m, "label": label, "gbps": gbps, "blocks": blocks, "fit": fit,
+            "waves": -(-blocks // (fit * sms)) if fit else None,
+            "reg": use["REG"], "stack": use["STACK"], "shared": use["SHARED"],
+        })  # fmt: skip
+    return out
+
+
+def waves_summary(rows: list[dict]) -> list[str]:
+    """Per M bucket, over the sweep points that timed both: the best multi-wave persistent candidate against the
+    best that runs in one wave (median ratio, points where it wins or loses by more than 2%)."""
+    by_point: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["waves"] is not None:
+            by_point.setdefault((r["dtype"], r["n"], r["m"]), []).append(r)
+    ratios: dict[int, list[float]] = {}
+    for (_, _, m), rs in by_point.items():
+        one = [r["gbps"] for r in rs if r["waves"] == 1]
+        many = [r["gbps"] for r in rs if r["waves"] > 1]
+        if one and many:
+            ratios.setdefault(m, []).append(max(many) / max(one))
+    lines = ["rows   points  multi-wave / one-wave best: median  wins >2%  loses >2%"]
+    for m in sorted(ratios):
+        r = sorted(ratios[m])
+        median = r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
+        wins, losses = sum(x > 1.02 for x in r), sum(x < 0.98 for x in r)
+        lines.append(f"{m:>8} {len(r):>6}  {median:>38.3f}  {wins:>8}  {losses:>9}")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tools.kernel_resources", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="32768x4096", help="MxN,... (default %(default)s)")
@@ -110,6 +197,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sms", type=int, default=132, help="SM count the heuristics assume (H100: 132)")
     parser.add_argument("--analytic", action="store_true", help="the heuristics' choices, not the tuning table's")
     parser.add_argument("--generic", action="store_true", help="the build without alignment assumptions")
+    parser.add_argument("--waves-of", metavar="SWEEP.json", help="a tune_table candidates file: waves of its timings")
+    parser.add_argument("--out", help="with --waves-of: write every candidate's row here (JSON)")
+    parser.add_argument("--jobs", type=int, default=4, help="with --waves-of: compile processes")
     args = parser.parse_args(argv)
     from tilegym_rms import aot
 
@@ -117,6 +207,13 @@ def main(argv=None) -> int:
     if cuobjdump is None:
         print("kernel_resources.py needs cuobjdump (CUDA toolkit, or the one Triton ships)", file=sys.stderr)
         return 2
+    if args.waves_of:
+        rows = sweep_waves(json.loads(Path(args.waves_of).read_text()), args.arch, args.sms, args.jobs)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=0))
+        print(f"{len(rows)} persistent forward timings of {args.waves_of}, {args.arch} as launched")
+        print("\n".join(waves_summary(rows)))
+        return 0
     dtype = base.DTYPES[args.dtype]
     table, source = chosen_table(args.arch, args.sms, args.analytic)
     build = "the generic build" if args.generic else "as launched on 16-byte aligned rows"
