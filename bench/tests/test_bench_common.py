@@ -239,8 +239,8 @@ def test_kernel_resources_reads_the_block_size_and_the_waves():
 
 
 def test_kernel_resources_sets_a_sweeps_timings_beside_their_waves():
-    """--waves-of: each persistent forward candidate a sweep timed, with the waves its launch makes (the same
-    2 x 8192 build at 8 blocks per SM runs more than one wave, at 1 one), and the summary per M bucket."""
+    """--waves-of: each persistent forward (or backward) candidate a sweep timed, with the waves its launch makes
+    (the same 2 x 8192 build at 8 blocks per SM runs more than one wave, at 1 one), and the summary per M bucket."""
     pytest.importorskip("cuda.tile")
     from dataclasses import asdict
 
@@ -260,6 +260,13 @@ def test_kernel_resources_sets_a_sweeps_timings_beside_their_waves():
     assert one["waves"] == 1 and many["waves"] == -(-8 // many["fit"])
     summary = kr.waves_summary(list(rows.values()))
     assert summary[1].split() == ["8192", "1", "1.200", "1", "0"]
+    # The backward's candidates, by the main kernel's launch (not the dw reduction's).
+    winner = config.BackwardCandidate("persistent", 2, 4096, 0, 2, 2, 0)
+    gbps = {"persistent 2x4096 b2 o2 w0": 2000.0, "persistent 2x4096 b8 o2 w0": 1900.0}
+    build.set_runs(doc, "backward", "bf16", 4096, [{"m": 32768, "winner": asdict(winner), "gbps": gbps}])
+    rows = {r["label"]: r for r in kr.sweep_waves(doc, "sm_90", 132, op="backward")}
+    assert {r["blocks"] for r in rows.values()} == {2 * 132, 8 * 132}
+    assert rows["persistent 2x4096 b8 o2 w0"]["waves"] == -(-8 // rows["persistent 2x4096 b8 o2 w0"]["fit"])
 
 
 def test_untimed_records_keep_the_committed_layout():

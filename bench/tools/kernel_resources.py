@@ -16,8 +16,8 @@ makes for rows that are not 16-byte aligned (PERFORMANCE.md, "Toolchain").
     python -m bench.tools.kernel_resources --shapes 32768x4096,4096x16384,4096x32768 --dtype bf16
 
 Each launch line gives the grid, the blocks one SM holds and the waves they make. ``--waves-of`` takes a
-``tune_table`` candidates file instead and sets every persistent forward candidate it timed beside the waves
-its launch runs in (PERFORMANCE.md, "The launched build and its load ring"):
+``tune_table`` candidates file instead and sets every persistent candidate of ``--op`` (forward, backward) it
+timed beside the waves its launch runs in (PERFORMANCE.md, "The launched build and its load ring"):
 
     python -m bench.tools.kernel_resources --waves-of bench/results/h100/sweeps/table_sm90_132sm_candidates.json
 """
@@ -109,24 +109,27 @@ def chosen_table(arch: str, sms: int, analytic: bool = False):
     return table, (f"the {key} tuning table" if table is not None else "the analytic heuristics")
 
 
-_FORWARD_LABEL = re.compile(r"(\w+) (\d+)x(\d+)(?:\+(\d+))? b(\d+) o(\d+) w(\d+)")
+_ROWS_LABEL = re.compile(r"(\w+) (\d+)x(\d+)(?:\+(\d+))? b(\d+) o(\d+) w(\d+)")
 
 
-def _launched_forward(dt: str, n: int, m: int, label: str, sms: int):
-    """``(variant, blocks)``: the forward build and grid the host makes for ``m`` rows of ``n`` in ``dt`` when
-    a table names the sweep candidate ``label`` (``tuning.build.label``) for them."""
+def _launched(op: str, dt: str, n: int, m: int, label: str, sms: int):
+    """``(variant, blocks)``: the ``op`` ("forward" or "backward") build and grid the host makes for ``m`` rows
+    of ``n`` in ``dt`` when a table names the sweep candidate ``label`` (``tuning.build.label``) for them."""
     from dataclasses import asdict
 
     from tilegym_rms import aot
     from tilegym_rms.cutile import config, tuning
     from tilegym_rms.cutile.tuning import build
 
-    kind, *fields = _FORWARD_LABEL.fullmatch(label).groups()
-    cand = config.ForwardCandidate(kind, *(int(f or 0) for f in fields))
+    kind, *fields = _ROWS_LABEL.fullmatch(label).groups()
+    cls = config.ForwardCandidate if op == "forward" else config.BackwardCandidate
+    cand = cls(kind, *(int(f or 0) for f in fields))
     doc = build.new_doc("probe", "probe", (9, 0), sms, "measured", "kernel_resources")
-    build.set_runs(doc, "forward", dt, n, [{"m": 1, "winner": asdict(cand), "gbps": {}}])
+    build.set_runs(doc, op, dt, n, [{"m": 1, "winner": asdict(cand), "gbps": {}}])
     grids: dict = {}
-    variant = aot.variants_for(m, n, base.DTYPES[dt], sms, (None,), False, tuning.load(doc), grids=grids)[0]
+    found = aot.variants_for(m, n, base.DTYPES[dt], sms, (None,), False, tuning.load(doc), grids=grids)
+    prefix = "rms_norm_fwd_" if op == "forward" else "rms_norm_bwd_"
+    variant = next(v for v in found if v.kernel_name.startswith(prefix))
     return variant, math.prod(grids[variant])
 
 
@@ -136,21 +139,22 @@ def _launched_use(variant, arch: str) -> dict[str, int]:
     return resource_usage(aot.cubin(variant, arch, as_launched=True), find_cuobjdump())
 
 
-def sweep_waves(doc: dict, arch: str, sms: int, jobs: int = 1) -> list[dict]:
-    """Every persistent forward candidate a sweep timed (``doc``: a ``tune_table`` candidates file), with its
-    GB/s, the grid the host makes, the blocks one SM holds, the waves, registers, stack and shared memory."""
+def sweep_waves(doc: dict, arch: str, sms: int, jobs: int = 1, op: str = "forward") -> list[dict]:
+    """Every persistent ``op`` ("forward" or "backward") candidate a sweep timed (``doc``: a ``tune_table``
+    candidates file), with its GB/s, the grid the host makes, the blocks one SM holds, the waves, registers, stack
+    and shared memory."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     points = [
         (dt, int(key), run["m"], label, gbps)
-        for dt, by_n in doc.get("forward", {}).items()
+        for dt, by_n in doc.get(op, {}).items()
         for key, runs in by_n.items()
         for run in runs
         for label, gbps in run.get("gbps", {}).items()
         if label.startswith("persistent ")
     ]
-    launched = {p[:4]: _launched_forward(*p[:4], sms) for p in points}
+    launched = {p[:4]: _launched(op, *p[:4], sms) for p in points}
     variants = sorted({v for v, _ in launched.values()}, key=str)
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         uses = dict(zip(variants, pool.map(_launched_use, variants, [arch] * len(variants)), strict=True))
@@ -200,6 +204,7 @@ def main(argv=None) -> int:
     parser.add_argument("--waves-of", metavar="SWEEP.json", help="a tune_table candidates file: waves of its timings")
     parser.add_argument("--out", help="with --waves-of: write every candidate's row here (JSON)")
     parser.add_argument("--jobs", type=int, default=4, help="with --waves-of: compile processes")
+    parser.add_argument("--op", choices=("forward", "backward"), default="forward", help="with --waves-of")
     args = parser.parse_args(argv)
     from tilegym_rms import aot
 
@@ -208,10 +213,10 @@ def main(argv=None) -> int:
         print("kernel_resources.py needs cuobjdump (CUDA toolkit, or the one Triton ships)", file=sys.stderr)
         return 2
     if args.waves_of:
-        rows = sweep_waves(json.loads(Path(args.waves_of).read_text()), args.arch, args.sms, args.jobs)
+        rows = sweep_waves(json.loads(Path(args.waves_of).read_text()), args.arch, args.sms, args.jobs, args.op)
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=0))
-        print(f"{len(rows)} persistent forward timings of {args.waves_of}, {args.arch} as launched")
+        print(f"{len(rows)} persistent {args.op} timings of {args.waves_of}, {args.arch} as launched")
         print("\n".join(waves_summary(rows)))
         return 0
     dtype = base.DTYPES[args.dtype]
