@@ -29,6 +29,7 @@ import json
 import math
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,10 +56,10 @@ def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        elf = subprocess.run([cuobjdump, "-elf", f.name], capture_output=True, text=True, check=True).stdout
+        cmd = [cuobjdump, "-res-usage", "-elf", f.name]  # the report and the ELF attributes, in one run
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     use = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
-    ntid = re.search(r"EIATTR_REQNTID\s+Format:\s+\S+\s+Value:\s+((?:0x[0-9a-f]+\s*)+)", elf)
+    ntid = re.search(r"EIATTR_REQNTID\s+Format:\s+\S+\s+Value:\s+((?:0x[0-9a-f]+\s*)+)", out)
     use["THREADS"] = 0 if ntid is None else math.prod(int(v, 16) for v in ntid.group(1).split())
     return use
 
@@ -186,10 +187,9 @@ def waves_summary(rows: list[dict]) -> list[str]:
             ratios.setdefault(m, []).append(max(many) / max(one))
     lines = ["rows   points  multi-wave / one-wave best: median  wins >2%  loses >2%"]
     for m in sorted(ratios):
-        r = sorted(ratios[m])
-        median = r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
+        r = ratios[m]
         wins, losses = sum(x > 1.02 for x in r), sum(x < 0.98 for x in r)
-        lines.append(f"{m:>8} {len(r):>6}  {median:>38.3f}  {wins:>8}  {losses:>9}")
+        lines.append(f"{m:>8} {len(r):>6}  {statistics.median(r):>38.3f}  {wins:>8}  {losses:>9}")
     return lines
 
 
