@@ -306,10 +306,10 @@ def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dic
         return run
     gbps = run["gbps"]
     if op == "qk":
+        kept, timed = parse_winner(op, incumbent, "incumbent"), parse_winner(op, run["winner"], "winner")
         winner = dict(run["winner"])
         for side in ("fwd", "bwd"):
-            mine = gbps.get(qk_half_label(parse_winner(op, incumbent, "incumbent"), side))
-            theirs = gbps.get(qk_half_label(parse_winner(op, winner, "winner"), side))
+            mine, theirs = gbps.get(qk_half_label(kept, side)), gbps.get(qk_half_label(timed, side))
             if mine is not None and theirs is not None and theirs < mine * (1 + min_gain):
                 winner.update({k: v for k, v in incumbent.items() if k.startswith(f"{side}_")})
         return {**run, "winner": winner}
