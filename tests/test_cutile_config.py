@@ -178,7 +178,8 @@ def test_the_reduction_takes_its_occupancy_hint_when_asked(host):
     with config.override(reduce_occupancy=4):
         plain = host.backward.backward_launches(tgt, m, n, BF16, True, False).reduce
         gated = host.gated.backward_launches(tgt, m, n, n, BF16, BF16, True, True).reduce
-    assert dict(plain.hints) == {"occupancy": 4} and gated.hints == plain.hints
+        qk = host.qk.backward_launches(tgt, (1, 1, m), (1, 1, m // 4), 128, BF16, True, True, True).reduce
+    assert dict(plain.hints) == {"occupancy": 4} and gated.hints == qk.hints == plain.hints
     assert plain.constants == host.backward.reduce_launch(tgt, n).constants  # same strips, only the hint
 
 
