@@ -169,18 +169,19 @@ def test_reduce_config_fills_the_sms_and_covers_n(n):
         assert red.grid >= SMS  # at least one block per SM whenever N allows it
 
 
-def test_the_reduction_takes_its_occupancy_hint_when_asked(host):
+def test_the_reduction_takes_its_occupancy_hint(host):
     """reduce_occupancy: the dw reduction of the plain, gated and qk backward launches with that occupancy
-    hint; 0 (the default) leaves it to the compiler, as before."""
+    hint (4 by default); 0 leaves it to the compiler."""
     tgt = host.common.Target(SMS)
     m, n = 32768, 5120
-    assert host.backward.backward_launches(tgt, m, n, BF16, True, False).reduce.hints == ()
-    with config.override(reduce_occupancy=4):
-        plain = host.backward.backward_launches(tgt, m, n, BF16, True, False).reduce
-        gated = host.gated.backward_launches(tgt, m, n, n, BF16, BF16, True, True).reduce
-        qk = host.qk.backward_launches(tgt, (1, 1, m), (1, 1, m // 4), 128, BF16, True, True, True).reduce
+    plain = host.backward.backward_launches(tgt, m, n, BF16, True, False).reduce
+    gated = host.gated.backward_launches(tgt, m, n, n, BF16, BF16, True, True).reduce
+    qk = host.qk.backward_launches(tgt, (1, 1, m), (1, 1, m // 4), 128, BF16, True, True, True).reduce
     assert dict(plain.hints) == {"occupancy": 4} and gated.hints == qk.hints == plain.hints
-    assert plain.constants == host.backward.reduce_launch(tgt, n).constants  # same strips, only the hint
+    with config.override(reduce_occupancy=0):
+        bare = host.backward.backward_launches(tgt, m, n, BF16, True, False).reduce
+    assert bare.hints == ()
+    assert plain.constants == bare.constants  # same strips, only the hint
 
 
 def test_compiler_hints_follow_the_tile_width(host):

@@ -226,7 +226,7 @@ def _heuristic_variants() -> list[Variant]:
                     more = fused_add_variants_for(m, n, dtype, residual_dtype, invariant=invariant)
                     found.update(dict.fromkeys(more))
     # The reduction's strip width depends on N alone; every width the heuristic can pick is compiled, in
-    # every dw dtype, and in bf16 with the occupancy hint reduce_occupancy may ask for.
+    # every dw dtype, and in bf16 without the occupancy hint (reduce_occupancy 0, which an override may ask for).
     reductions, record = _collector()
     tile_n = config.HEURISTICS.reduce_min_tile_n
     while tile_n <= config.HEURISTICS.reduce_max_tile_n:
@@ -235,7 +235,7 @@ def _heuristic_variants() -> list[Variant]:
         launch = bwd.reduce_launch(Target(REFERENCE_SMS), n)
         for dtype in DTYPES:
             bwd.reduce(launch, _meta(torch.float32, REFERENCE_SMS, n), _meta(dtype, n), -1, record)
-        with config.override(reduce_occupancy=4):
+        with config.override(reduce_occupancy=0):
             launch = bwd.reduce_launch(Target(REFERENCE_SMS), n)
         bwd.reduce(launch, _meta(torch.float32, REFERENCE_SMS, n), _meta(torch.bfloat16, n), -1, record)
         tile_n *= 2
