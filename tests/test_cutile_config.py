@@ -335,24 +335,6 @@ def test_qk_tiles_are_large_at_many_rows_and_shrink_to_fill_the_sms_at_few():
     assert few.fwd_tile_m < many.fwd_tile_m and config.cdiv(8192 + 2048, few.fwd_tile_m) >= SMS // 2
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_qk_backward_tiles_over_tokens_and_heads_shrink_when_asked(d):
-    """qk_bwd_split_max_tile_elems: a backward tile that spans tokens and heads (a fused qkv slice) holds at most
-    that many elements; the dense views' tiles and the forward's stay the bucket's; 0 changes nothing."""
-    dense_q, dense_k = (1, 1, 1 << 19), (1, 1, 1 << 17)
-    sliced_q, sliced_k = (1, 1 << 17, 4), (1, 1 << 17, 1)
-    base = config.qk_config(sliced_q, sliced_k, d, BF16, SMS)
-    assert config.qk_config(dense_q, dense_k, d, BF16, SMS).bwd_tile_m == base.bwd_tile_m
-    with config.override(qk_bwd_split_max_tile_elems=2048):
-        split = config.qk_config(sliced_q, sliced_k, d, BF16, SMS)
-        dense = config.qk_config(dense_q, dense_k, d, BF16, SMS)
-    want = max(config.HEURISTICS.qk_min_tile_m, min(base.bwd_tile_m, 2048 // d))
-    assert split.bwd_tile_m == want and split.bwd_tile_m * d <= max(2048, config.HEURISTICS.qk_min_tile_m * d)
-    assert all(tg * th == want for tg, th in split.bwd_tiles) and split.bwd_grid >= base.bwd_grid
-    assert (split.fwd_tile_m, split.fwd_tiles, split.fwd_grid) == (base.fwd_tile_m, base.fwd_tiles, base.fwd_grid)
-    assert dense.bwd_tile_m == base.bwd_tile_m
-
-
 def test_qk_tiles_depend_on_the_rows_bucket_only():
     a = config.qk_config((1, 1, 40000), (1, 1, 10000), 128, BF16, SMS)
     b = config.qk_config((1, 1, 50000), (1, 1, 12000), 128, BF16, SMS)

@@ -125,23 +125,6 @@ def test_qk_forward_of_one_tile_per_block(d, layout):
 
 
 @pytest.mark.parametrize("grad", GRADIENTS)
-@pytest.mark.parametrize("d", [64, 128])
-def test_qk_backward_of_smaller_tiles_over_tokens_and_heads(d, grad):
-    """qk_bwd_split_max_tile_elems: the backward's tiles over tokens and heads at 2048 elements (the bucket's
-    hold 8192): values and gradients against float64, 999 tokens (partial tiles along G and H)."""
-    import tilegym_rms.cutile as cutile
-    from tilegym_rms.cutile import config
-
-    q, k = _layout("qkv_slice", 3, 333, d, torch.bfloat16, 32, 8)
-    cutile.clear_caches()
-    try:
-        with config.override(qk_bwd_split_max_tile_elems=2048):
-            _check(q, k, grad=grad)
-    finally:
-        cutile.clear_caches()
-
-
-@pytest.mark.parametrize("grad", GRADIENTS)
 def test_qk_gradient_layouts_at_many_rows(grad):
     """A fused qkv slice of 8192 tokens, 32 and 8 heads (327680 rows): many tiles per block."""
     q, k = _layout("qkv_slice", 4, 2048, 128, torch.bfloat16, 32, 8)

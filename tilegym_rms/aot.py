@@ -359,11 +359,6 @@ def qk_variants() -> list[Variant]:
     with config.override(qk_fwd_blocks_per_sm=0, qk_fwd_tile_elems=4096, qk_fwd_occupancy=8):
         for d in QK_REPRESENTATIVE_D:
             found.update(dict.fromkeys(qk_variants_for(REPRESENTATIVE_M[-1], d, torch.bfloat16, every_path=False)))
-    # The backward's smaller tiles over tokens and heads (qk_bwd_split_max_tile_elems), on a fused qkv slice.
-    with config.override(qk_bwd_split_max_tile_elems=4096):
-        for d in QK_REPRESENTATIVE_D:
-            more = qk_variants_for(REPRESENTATIVE_M[-1], d, torch.bfloat16, every_path=False, layout=QK_LAYOUTS[1])
-            found.update(dict.fromkeys(more))
     return list(found)
 
 

@@ -177,11 +177,6 @@ class Heuristics:
     # A forward of one tile per block (a table entry's fwd_blocks_per_sm 0) runs qk_fwd_tiles_worker_warps warps,
     # as the plain forward's one-tile-per-block builds that won (PERFORMANCE.md, "Narrow rows").
     qk_fwd_tiles_worker_warps: int = 8
-    # Most elements of a backward tile that spans tokens and heads (TILE_G > 1: a fused qkv slice, a gradient from a
-    # (B, H, S, D) consumer); 0: the bucket's tile. Such tiles' launched builds spill at 8192 elements of D 64 and
-    # not at 4096 (PERFORMANCE.md, "QK-norm"); the table, keyed by head dim and rows, cannot tell layouts apart.
-    # Built for an A/B, not yet timed.
-    qk_bwd_split_max_tile_elems: int = 0
 
     # Gated RMSNorm (gated_rms_norm): a tile is rows of whole groups, each padded to next_pow2(group size); a
     # group is at most gated_max_tile_s padded columns (wider ones run the reference's torch math). Measured on

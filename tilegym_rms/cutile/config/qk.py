@@ -116,15 +116,11 @@ def qk_config(
         return max(1, count if blocks_per_sm == 0 else min(num_sms * blocks_per_sm, count))
 
     fwd_tiles, bwd_tiles = tiles(c.fwd_tile_m), tiles(c.bwd_tile_m)
-    bwd_tile_m, split_max = c.bwd_tile_m, p.qk_bwd_split_max_tile_elems // tile_n
-    if split_max and bwd_tile_m > split_max and any(tg > 1 for tg, _ in bwd_tiles):
-        bwd_tile_m = max(p.qk_min_tile_m, prev_pow2(split_max))  # qk_bwd_split_max_tile_elems
-        bwd_tiles = tiles(bwd_tile_m)
     fwd_walk = c.fwd_blocks_per_sm > 0
     return QKConfig(
         tile_n,
         c.fwd_tile_m,
-        bwd_tile_m,
+        c.bwd_tile_m,
         grid(fwd_tiles, c.fwd_blocks_per_sm),
         grid(bwd_tiles, c.bwd_blocks_per_sm),
         make_hints(occupancy=c.fwd_occupancy, num_worker_warps=0 if fwd_walk else p.qk_fwd_tiles_worker_warps),
