@@ -420,23 +420,6 @@ def test_cutile_narrow_rows_take_the_head_settings(norm_before_gate):
     assert invariant.fwd.walk
 
 
-@pytest.mark.parametrize("n,group_size", [(2048, 256), (4096, 512)])
-def test_cutile_grouped_backward_tiles_with_a_16bit_gate_follow_their_setting(n, group_size):
-    """gated_bwd_grouped_tile_elems sizes the backward tiles of several groups with a 16-bit gate only: the
-    fp32 gate's and the forward's stay as they were."""
-    from tilegym_rms.cutile import config
-
-    m = 65536
-    base16 = config.gated_config(m, n, group_size, torch.bfloat16, 132, gate_dtype=torch.bfloat16)
-    base32 = config.gated_config(m, n, group_size, torch.bfloat16, 132, gate_dtype=torch.float32)
-    assert base16.bwd.tile_m * n == config.HEURISTICS.gated_bwd_grouped_tile_elems
-    with config.override(gated_bwd_grouped_tile_elems=4096):
-        half16 = config.gated_config(m, n, group_size, torch.bfloat16, 132, gate_dtype=torch.bfloat16)
-        half32 = config.gated_config(m, n, group_size, torch.bfloat16, 132, gate_dtype=torch.float32)
-    assert half16.bwd.tile_m * n == 4096 and half16.bwd.hints == base16.bwd.hints
-    assert (half16.fwd, half32) == (base16.fwd, base32)
-
-
 def test_cutile_narrow_forward_walks_when_asked():
     """gated_narrow_fwd_walk on: the forward of narrow rows walks its row tiles with the general settings, as wider
     rows do; a partial last tile still gets a block."""

@@ -93,23 +93,6 @@ def test_cutile_narrow_forward_walked(m, norm_before_gate):
         cutile.clear_caches()
 
 
-@pytest.mark.parametrize("norm_before_gate", [True, False])
-@pytest.mark.parametrize("n,group_size", [(2048, 256), (1536, 512)])
-def test_cutile_grouped_backward_of_smaller_tiles(n, group_size, norm_before_gate):
-    """gated_bwd_grouped_tile_elems at 4096 (the default tiles hold 8192): the backward of several groups per tile
-    with a bf16 gate, values and gradients against float64, 4097 rows (a partial last tile)."""
-    import tilegym_rms.cutile as cutile
-    from tilegym_rms.cutile import config
-
-    x, z, w, dy = _inputs(4097, n, torch.bfloat16, torch.bfloat16, seed=n)
-    cutile.clear_caches()
-    try:
-        with config.override(gated_bwd_grouped_tile_elems=4096):
-            _check("cutile", x, z, w, dy, group_size, norm_before_gate)
-    finally:
-        cutile.clear_caches()
-
-
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("n,group_size", SHAPES)
 @pytest.mark.parametrize("backend", BACKENDS)

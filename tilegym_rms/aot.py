@@ -426,12 +426,6 @@ def gated_variants() -> list[Variant]:
     with config.override(gated_narrow_fwd_walk=True):  # the one-head forward walked, the switch's other side
         more = gated_variants_for(REPRESENTATIVE_M[-1], 128, 128, torch.bfloat16, torch.bfloat16, every_path=False)
         found.update(dict.fromkeys(more))
-    with config.override(gated_bwd_grouped_tile_elems=4096):  # the 16-bit gate's grouped backward, smaller tiles
-        for n, group_size in GATED_SHAPES:
-            if n // group_size > 1:
-                m = REPRESENTATIVE_M[-1]
-                more = gated_variants_for(m, n, group_size, torch.bfloat16, torch.bfloat16, every_path=False)
-                found.update(dict.fromkeys(more))
     return list(found)
 
 

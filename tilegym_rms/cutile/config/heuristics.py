@@ -186,10 +186,7 @@ class Heuristics:
     # row per tile from gated_bwd_one_row_min padded columns on for a single group (two such rows spill) or an
     # fp32 gate (a row of several groups with a 16-bit gate lost at one row per tile), and from
     # gated_bwd_wide_min_row on the plain wide backward's settings. A backward tile of several groups with a
-    # 16-bit gate takes gated_bwd_grouped_worker_warps (0: the compiler's choice) instead, and tiles of
-    # gated_bwd_grouped_tile_elems: at 8192 elements and occupancy 2 its launched sm_90 builds spill 160-520
-    # bytes (2048 / 4096 columns in groups of 256 / 512), at 4096 none (PERFORMANCE.md, "Gated RMSNorm"). 8192
-    # until 4096 is timed (at 4096 columns that is one row per tile, which lost with the eight-warp hints).
+    # 16-bit gate takes gated_bwd_grouped_worker_warps (0: the compiler's choice) instead.
     gated_fwd_tile_elems: int = 16384
     gated_fwd_small_max_row: int = 2048
     gated_fwd_wide_tile_elems: int = 8192
@@ -220,7 +217,6 @@ class Heuristics:
     gated_occupancy: int = 2
     gated_worker_warps: int = 8
     gated_bwd_grouped_worker_warps: int = 0
-    gated_bwd_grouped_tile_elems: int = 8192
     # Groups per tile: as many as fill this many padded columns (a wider group is a tile row of its own).
     gated_max_group_row: int = 8192
     gated_max_tile_s: int = 16384
