@@ -342,6 +342,54 @@ def test_use_table_overrides_and_restores(host):
     assert tuning.table_for(0) is tuning.packaged("sm90_132sm")
 
 
+@pytest.mark.parametrize(
+    "op, cand",
+    [
+        ("forward", config.ForwardCandidate("persistent", 4, 4096, 1024, 4, 2, 0)),
+        ("forward", config.ForwardCandidate("gather", 1, 8192, 0, 0, 4, 8)),
+        ("backward", config.BackwardCandidate("persistent", 2, 8192, 0, 1, 1, 8)),
+    ],
+)
+def test_a_label_parses_back_to_its_candidate(op, cand):
+    assert build.parse_label(op, build.label(op, cand)) == cand
+
+
+@pytest.mark.parametrize(
+    "op, text, message",
+    [
+        ("forward", "persistent 2x8192 b8 o0", "is not a candidate label"),
+        ("forward", "walker 2x8192 b8 o0 w0", "kernel must be one of"),
+        ("backward", "gather 1x8192 b0 o4 w0", "strategy must be one of"),
+        ("qk", "fwd 32r b8 o2", "two halves"),
+    ],
+)
+def test_a_label_that_names_no_candidate_says_why(op, text, message):
+    with pytest.raises(tuning.TuningTableError, match=message):
+        build.parse_label(op, text)
+
+
+def test_with_winner_changes_one_m_bucket_of_the_table(host):
+    doc = shipped()["sm90_132sm"]
+    odd = config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)  # no table or heuristic picks this
+    n, n_b = 5000, tuning.n_bucket(5000)
+    changed = build.with_winner(doc, "forward", "bf16", 8192, n, odd)
+    table, before = tuning.load(changed), tuning.load(doc)
+    assert table.lookup("forward", 7000, n, BF16) == odd
+    for m in (1, 2048, 4096, 16384, 32768, 1 << 22):  # every other bucket keeps its winner
+        assert table.lookup("forward", m, n, BF16) == before.lookup("forward", m, n, BF16)
+    assert table.lookup("forward", 7000, n + 512, BF16) == before.lookup("forward", 7000, n + 512, BF16)
+    assert table.lookup("backward", 7000, n, BF16) == before.lookup("backward", 7000, n, BF16)
+    assert doc["forward"]["bf16"][str(n_b)] == shipped()["sm90_132sm"]["forward"]["bf16"][str(n_b)]  # not mutated
+    with tuning.use_table(changed):
+        assert host.forward.cached_config(0, 7000, n, BF16, None).grid == 3 * SMS
+
+
+def test_with_winner_refuses_a_candidate_its_bucket_cannot_run():
+    narrow = config.ForwardCandidate("persistent", 4, 4096, 512, 2, 2, 0)  # 4608 columns: short of the bucket's
+    with pytest.raises(tuning.TuningTableError, match="cannot serve N = 5000.*does not cover N = 5120"):
+        build.with_winner(shipped()["sm90_132sm"], "forward", "bf16", 8192, 5000, narrow)
+
+
 H100 = "NVIDIA H100 80GB HBM3"  # the card the shipped sm90_132sm table was measured on
 
 

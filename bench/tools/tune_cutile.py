@@ -22,6 +22,14 @@ behind their launch settings (PERFORMANCE.md, "FP8 output"):
         --set fp8_tile_elems=4096,8192,16384 --set fp8_blocks_per_sm=1,2,4,8 \
         --set fp8_occupancy=1,2 --set fp8_worker_warps=0,8
 
+``--entry LABEL`` (forward and backward) times a tuning-table candidate instead, named as the sweeps name them
+(``"persistent 2x8192 b2 o2 w0"``), as the device's table's winner at each shape's buckets; repeat it or
+separate labels by commas. It shows how a bucket's candidates hold at row counts between the bucket points,
+which ``tune_table.py`` does not time:
+
+    python -m bench.tools.tune_cutile --op forward --shapes 6144x5120 \
+        --entry "persistent 2x8192 b8 o0 w0,persistent 2x8192 b2 o2 w0,gather 1x8192 b0 o4 w0"
+
 ``--warm-procs K`` first compiles every combination in K processes (the compile cache is shared; compiling is
 most of a sweep's time), ``--check`` prints how far each combination's outputs are from the first one's.
 """
@@ -62,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("4096x4096,32768x4096"), help="MxN,...")
     parser.add_argument("--set", dest="sets", type=parse_set, action="append", default=[], help="NAME=v1,v2")
     parser.add_argument("--hint", dest="hints", type=parse_set, action="append", default=[], help="NAME=v1,v2")
+    parser.add_argument(
+        "--entry",
+        dest="entries",
+        action="append",
+        default=[],
+        help="forward, backward: a table candidate, e.g. 'persistent 2x8192 b2 o2 w0' (repeat, or separate by commas)",
+    )
     parser.add_argument("--only", metavar="KERNEL", help="apply the --hint values to this kernel only")
     parser.add_argument("--reps", type=int, default=10, help="timed passes over the rotating inputs (median)")
     parser.add_argument("--breakdown", action="store_true", help="per-kernel device time of each setting")
@@ -187,13 +202,31 @@ def _breakdown(fn, sets) -> str:
     return "\n".join(rows)
 
 
-def _apply(stack, config, launch_module, original_with_hints, names, hint_names, combo, only=None) -> str:
-    """Sets the heuristics parameters (until ``stack`` closes) and hint overrides of one combination;
-    returns its description."""
+def _entry_table(op: str, dtype: torch.dtype, m: int, n: int, cand, device: torch.device) -> dict:
+    """The device's tuning table (an empty one where it has none: the analytic choices) with ``cand`` as the
+    ``op`` winner at the buckets of ``(m, n, dtype)`` alone."""
+    from tilegym_rms.cutile import tuning
+    from tilegym_rms.cutile.launch import num_sms
+    from tilegym_rms.cutile.tuning import build
+
+    table = tuning.table_for(device.index)
+    if table is None:
+        name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        doc = build.new_doc(tuning.device_key(device.index), name, capability, num_sms(device.index), "analytic", "")
+    else:
+        doc = table.doc
+    return build.with_winner(doc, op, tuning.DTYPE_NAMES[dtype], tuning.m_bucket(m), n, cand)
+
+
+def _apply(stack, config, launch_module, original_with_hints, names, hint_names, combo, only=None, table=None) -> str:
+    """Sets the heuristics parameters (until ``stack`` closes) and hint overrides of one combination, or its
+    tuning ``table`` (a table entry's combination); returns its description."""
     from tilegym_rms.cutile import tuning
     from tilegym_rms.experimental import kernel_name
 
     values = dict(zip(names + hint_names, combo, strict=True))
+    if table is not None:
+        stack.enter_context(tuning.use_table(table))
     if names:  # the heuristics' parameters act only without a tuning table
         stack.enter_context(tuning.use_table(None))
         stack.enter_context(config.override(**{name: values[name] for name in names}))
@@ -221,6 +254,24 @@ def _warm(argv: list[str], procs: int) -> None:
         proc.wait()
 
 
+def _parse_entries(args, names: list[str]) -> list[tuple[str | None, object]] | None:
+    """``(label, candidate)`` of each ``--entry`` (``[(None, None)]`` without one); None after printing why
+    they cannot be used."""
+    from tilegym_rms.cutile.tuning import TuningTableError, build
+
+    labels = [part.strip() for text in args.entries for part in text.split(",") if part.strip()]
+    if not labels:
+        return [(None, None)]
+    if args.op not in ("forward", "backward") or names:
+        print("--entry times table candidates of --op forward or backward, without --set", file=sys.stderr)
+        return None
+    try:
+        return [(text, build.parse_label(args.op, text)) for text in labels]
+    except TuningTableError as exc:
+        print(f"--entry: {exc}", file=sys.stderr)
+        return None
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -231,6 +282,7 @@ def main(argv=None) -> int:
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import config
     from tilegym_rms.cutile import launch as launch_module
+    from tilegym_rms.cutile.tuning import TuningTableError
 
     original_with_hints = launch_module.with_hints  # restored after each combination
 
@@ -243,7 +295,11 @@ def main(argv=None) -> int:
     dtype = base.DTYPES[args.dtype]
     names = [name for name, _ in args.sets]
     hint_names = [name for name, _ in args.hints]
+    entries = _parse_entries(args, names)
+    if entries is None:
+        return 2
     combos = list(itertools.product(*[values for _, values in args.sets + args.hints])) or [()]
+    combos = [(entry, combo) for entry in entries for combo in combos]
     shard, shards = (int(v) for v in args.warm_shard.split("/")) if args.warm_shard else (0, 1)
     if args.warm_procs > 1 and not args.warm_shard:
         _warm(argv, args.warm_procs)
@@ -259,9 +315,18 @@ def main(argv=None) -> int:
         problem = _problem(cutile, args.op, m, n, dtype, device, args.group_size, 1 if args.warm_shard else None)
         first = None
         pristine = _fresh(problem.sets[0]) if args.check else None  # timing writes over fused-add residuals
-        for combo in combos:
+        for (label, cand), combo in combos:
             stack = contextlib.ExitStack()
-            setting = _apply(stack, config, launch_module, original_with_hints, names, hint_names, combo, args.only)
+            try:
+                table = None if cand is None else _entry_table(args.op, dtype, m, n, cand, device)
+            except TuningTableError as exc:  # a candidate of another width class
+                print(f"  {m:>6} x {n:<6} {label}: {exc}")
+                continue
+            setting = _apply(
+                stack, config, launch_module, original_with_hints, names, hint_names, combo, args.only, table
+            )
+            if label is not None:
+                setting = label if setting == "defaults" else f"{label}, {setting}"
             cutile.clear_caches()
             try:
                 if args.warm_shard:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from . import (
     DTYPES,
     FALLBACK,
     FORWARD_OPS,
+    M_BUCKET_MAX,
     M_BUCKETS,
     N_BUCKETS,
     OPS,
@@ -29,6 +31,7 @@ from . import (
     candidate_error,
     class_of,
     m_bucket,
+    n_bucket,
     parse_winner,
 )
 
@@ -49,6 +52,40 @@ def label(op: str, cand) -> str:
     kind = cand.kernel if op in FORWARD_OPS else cand.strategy
     tail = f"+{cand.tail_n}" if cand.tail_n else ""
     return f"{kind} {cand.tile_m}x{cand.tile_n}{tail} b{cand.blocks_per_sm} o{cand.occupancy} w{cand.num_worker_warps}"
+
+
+_LABEL = re.compile(r"(\w+) (\d+)x(\d+)(?:\+(\d+))? b(\d+) o(\d+) w(\d+)")
+
+
+def parse_label(op: str, text: str):
+    """The candidate a :func:`label` names (a forward or backward op's, e.g. ``"persistent 2x4096+1024 b4 o2 w0"``),
+    checked as a table's winner is; raises :class:`TuningTableError`."""
+    if op == "qk":
+        raise TuningTableError("qk candidates have no single label to parse (two halves)")
+    found = _LABEL.fullmatch(text.strip())
+    if not found:
+        raise TuningTableError(f"{text!r} is not a candidate label like 'persistent 2x4096+1024 b4 o2 w0'")
+    kind, *numbers = found.groups()
+    names = ("tile_m", "tile_n", "tail_n", "blocks_per_sm", "occupancy", "num_worker_warps")
+    first = "kernel" if op in FORWARD_OPS else "strategy"
+    return parse_winner(op, {first: kind, **{k: int(v or 0) for k, v in zip(names, numbers, strict=True)}}, text)
+
+
+def with_winner(doc: dict, op: str, dtype: str, m_b: int, n: int, cand) -> dict:
+    """A copy of ``doc`` whose ``op`` entry for ``dtype`` and N's bucket gives ``cand`` at M bucket ``m_b`` alone:
+    the other M buckets keep the winners they had (the op's fallback's or the analytic ones where ``doc`` has no
+    such entry). For timing a candidate at row counts between bucket points (``tune_cutile.py --entry``)."""
+    n_b = n_bucket(n)
+    why = "is wider than every bucket" if n_b is None else candidate_error(op, cand, n_b)
+    if why:
+        raise TuningTableError(f"{label(op, cand)} cannot serve N = {n} ({op}): {why}")
+    out = json.loads(json.dumps(doc))
+    runs = _reference_runs(out, op, dtype, str(n_b))
+    after = [{"m": m_b * 2, "winner": _winner_at(runs, m_b * 2)}] if m_b < M_BUCKET_MAX else []
+    kept = [r for r in runs if r["m"] < m_b] + [{"m": m_b, "winner": asdict(cand)}] + after
+    kept += [r for r in runs if r["m"] > m_b * 2]
+    set_runs(out, op, dtype, n_b, kept)
+    return out
 
 
 def qk_half_label(cand: QKCandidate, side: str) -> str:
