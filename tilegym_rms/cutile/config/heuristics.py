@@ -147,8 +147,8 @@ class Heuristics:
     # Occupancy hint of the reduction (0: the compiler's). Without one the launched sm_90 build takes 255
     # registers and a 67-149 KB ring of load stages, so one block fits per SM and 160-256 strips (N =
     # 5120-8192) run in two waves; at 4 it holds 64 registers and 51 KB, four per SM, one wave up to
-    # N = 16896, and the reduction takes 3.3-4.1 us where it took 4.2-6.7 (PERFORMANCE.md, "dw partials and
-    # the reduction").
+    # N = 16896, and on an H100 the reduction takes 3.3-4.1 us where it took 4.2-6.7 (PERFORMANCE.md, "dw
+    # partials and the reduction"); other targets take the same hint unmeasured.
     reduce_occupancy: int = 4
 
     # QK-norm (qk_rms_norm): head dims are short (64-256), so the whole head is one tile (TILE_N =
