@@ -113,7 +113,8 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
                             torch.autograd.grad((y, s), (x, r, w), (dy, ds), retain_graph=True);
                             traffic = read dy, ds, s, w, rstd (M fp32) + write dx (= dr), dw.
   qk_norm    QK-norm: (q_out, k_out) = provider(q, k, wq, wk), q of M rows in 16 heads, k of M/4 rows (4
-             heads); M in {2^14, 2^16, ..., 2^22} x head dim N in {64, 128, 256}, bf16. Two ops per layout:
+             heads; --qk-heads HQ:HK for another GQA ratio, recorded as "heads"); M in {2^14, 2^16, ..., 2^22}
+             x head dim N in {64, 128, 256}, bf16. Two ops per layout:
              qk_fwd  under torch.no_grad(); traffic = the forward of q and of k (read x, w; write y).
              qk_bwd  the forward graph is built OUTSIDE the timed region; the timed call is
                      torch.autograd.grad((yq, yk), (q, k, wq, wk), (dyq, dyk), retain_graph=True);
@@ -200,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"eager calls per latency repetition (default {LATENCY_CALLS}, 30 with --quick)",
     )
+    parser.add_argument(
+        "--qk-heads",
+        type=cli_args.parse_heads,
+        default=base.QK_HEADS_DEFAULT,
+        help="qk_norm: query and key heads HQ:HK (default {}:{}); q has M rows, k M * HK / HQ; M a multiple of "
+        "HQ".format(*base.QK_HEADS_DEFAULT),
+    )
     cli_args.add_common_args(parser)
     return parser
 
@@ -240,7 +248,15 @@ def label_for(suite: str):
             return "shape", "M x N", f"{m}x{n}", {"dtype": dtype_name, "suite": suite}
 
         return label
-    return grid_label(suite)
+    grid = grid_label(suite)
+    if suite != "qk_norm" or base.QK_HEADS == base.QK_HEADS_DEFAULT:
+        return grid
+
+    def qk_label(dtype_name: str, m: int, n: int):  # another GQA ratio: a record of its own
+        x_name, x_label, x, extra = grid(dtype_name, m, n)
+        return x_name, x_label, x, {**extra, "heads": "{}:{}".format(*base.QK_HEADS)}
+
+    return qk_label
 
 
 def select(measure: str):
@@ -317,6 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure is None:
         args.measure = list(QUICK_DEFAULT_MEASURES if args.quick else MEASURES)
     args = cli_args.finish_args(args)
+    base.QK_HEADS = args.qk_heads  # the run's GQA ratio (base.QK_HEADS)
+    if "qk_norm" in args.measure:
+        qk_ms = {m for _, _, suite, configs in plan(args) if suite == "qk_norm" for _, m, _ in configs}
+        bad = sorted(m for m in qk_ms if m % args.qk_heads[0])
+        if bad:
+            print(f"--qk-heads {args.qk_heads[0]}:{args.qk_heads[1]}: M must be a multiple of {args.qk_heads[0]}, "
+                  f"got {', '.join(map(str, bad))}", file=sys.stderr)  # fmt: skip
+            return 2
     if args.latency_calls is None:
         args.latency_calls = 30 if args.quick else LATENCY_CALLS
     split_providers(args)

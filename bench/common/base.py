@@ -85,8 +85,11 @@ FP8_PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "torch.compile", "tilegym_rms-unf
 HELDOUT_PROVIDERS_DEFAULT = PROVIDERS_DEFAULT + ("quack",)
 QUACK_BY_DEFAULT = ("heldout", "large")
 
-# QK-norm (bench_rmsnorm.py --measure qk_norm): q of M rows in QK_HEADS[0] heads, k in QK_HEADS[1] (GQA).
-QK_HEADS = (16, 4)
+# QK-norm (bench_rmsnorm.py --measure qk_norm): q of M rows in QK_HEADS[0] heads, k in QK_HEADS[1] (GQA). The
+# run's ratio: bench_rmsnorm.py --qk-heads sets it for the process; every QK input set and traffic count reads
+# it, and records of another ratio than QK_HEADS_DEFAULT carry it in their config ("heads": "32:8").
+QK_HEADS_DEFAULT = (16, 4)
+QK_HEADS = QK_HEADS_DEFAULT
 QK_PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "torch", "torch.compile", "liger", "quack")
 
 METHOD_TEXT = {

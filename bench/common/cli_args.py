@@ -23,6 +23,18 @@ def csv_list(kind: Callable[[str], object]) -> Callable[[str], list]:
     return parse
 
 
+def parse_heads(text: str) -> tuple[int, int]:
+    """``HQ:HK`` query and key heads of a GQA layout (HK divides HQ), e.g. ``32:8``."""
+    hq, sep, hk = text.partition(":")
+    try:
+        heads = (int(hq), int(hk)) if sep else None
+    except ValueError:
+        heads = None
+    if heads is None or heads[1] < 1 or heads[0] < heads[1] or heads[0] % heads[1]:
+        raise argparse.ArgumentTypeError(f"HQ:HK with HK >= 1 dividing HQ (e.g. 32:8), got {text!r}")
+    return heads
+
+
 def parse_dtype(name: str) -> str:
     name = name.lower()
     aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import random
@@ -357,6 +358,30 @@ def test_qk_norm_measure_cpu_mode(tmp_path, monkeypatch, capsys):
         assert json.loads(rec["extra_benchmark_config_str"])["suite"] == "qk_norm"
         assert rec["x_values"] == [64] and not rec.get("mismatch_x_values")
         assert all(0 <= e <= base.TOLERANCE["bf16"] for e in rec["rel_err"])
+
+
+def test_qk_norm_measure_at_another_head_ratio(tmp_path, monkeypatch):
+    """--qk-heads 8:1: q in 8 heads and k in 1 (k has M / 8 rows), the bytes counted for that ratio, each record
+    naming it; a ratio M does not divide is refused before anything runs."""
+    monkeypatch.setenv(base.CPU_ENV, "1")
+    monkeypatch.setattr(base, "QK_HEADS", base.QK_HEADS)  # main sets the run's ratio; restored after the test
+    argv = ["--measure", "qk_norm", "--M", "256", "--N", "64", "--reps", "2", "--out", str(tmp_path), "--no-plot"]
+    assert bench_rmsnorm.main([*argv, "--providers", "tilegym_rms-torch", "--qk-heads", "8:1"]) == 0
+    saved = [r for r in json.loads((tmp_path / "rms_norm.json").read_text()) if r["metric_name"] == "throughput"]
+    assert saved and all(json.loads(r["extra_benchmark_config_str"])["heads"] == "8:1" for r in saved)
+    assert all(not r.get("mismatch_x_values") for r in saved)
+    assert traffic.qk_rows(256) == (256, 32)
+    assert traffic.op_bytes("qk_fwd", 256, 64, 2) == 2 * (256 + 32) * 64 * 2 + 2 * 64 * 2
+    sets = providers.InputSets(256, 64, torch.float32, "cpu", 1, 0, 1e-6, need_dy=False, qk="qkv")
+    assert sets.x[0].shape[-2:] == (8, 64) and sets.k[0].shape[-2:] == (1, 64)
+    assert bench_rmsnorm.main([*argv, "--qk-heads", "24:8"]) == 2  # 256 rows are not whole tokens of 24 heads
+
+
+@pytest.mark.parametrize("text", ["8", "8:3", "8:0", "a:b", "-8:2"])
+def test_qk_heads_take_hq_colon_a_dividing_hk(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="HQ:HK"):
+        cli_args.parse_heads(text)
+    assert cli_args.parse_heads("32:8") == (32, 8)
 
 
 def test_qk_norm_check_sees_a_wrong_k():

@@ -32,21 +32,31 @@ def _point(provider: str, n: int, us: float, ok: bool = True) -> records.Point:
     return p
 
 
+META = {  # a results file's run
+    "gpu_name": "Test GPU",
+    "timestamp": "2030-01-02 03:04:05",
+    "tilegym_rms_version": "9.9",
+    "copy_bandwidth_GBps": 1000.0,
+    "timing_method": make_results.base.METHOD_TEXT["profiler"],
+}
+
+
+def _render(tmp_path, pts: list, meta: dict):
+    """Writes the points as a card's results file and renders RESULTS.md over it: ``(card folder, text)``."""
+    card = tmp_path / "results" / "test"
+    card.mkdir(parents=True)
+    (card / "rms_norm.json").write_text(json.dumps(records.build_records(pts, meta)))
+    return card, make_results.render(tmp_path / "results", tmp_path / "RESULTS.md")
+
+
 def test_render_layout(tmp_path):
     """Bold where cuTile leads its row, '!' on a failed check, a dash where a provider has no point, the % of
     the run's copy bandwidth, the card, the method and the plot link."""
-    meta = {
-        "gpu_name": "Test GPU",
-        "timestamp": "2030-01-02 03:04:05",
-        "tilegym_rms_version": "9.9",
-        "copy_bandwidth_GBps": 1000.0,
-        "timing_method": make_results.base.METHOD_TEXT["profiler"],
-    }
     pts = [_point("tilegym_rms-cutile", 1024, 20.0), _point("tilegym_rms-cutile", 2048, 80.0, ok=False)]
     pts += [_point("liger", 1024, 40.0), _point("liger", 2048, 40.0), _point("torch", 1024, 30.0)]
     card = tmp_path / "results" / "test"
     card.mkdir(parents=True)
-    (card / "rms_norm.json").write_text(json.dumps(records.build_records(pts, meta)))
+    (card / "rms_norm.json").write_text(json.dumps(records.build_records(pts, META)))
     (card / "rms_norm_forward.png").write_bytes(b"")
     text = make_results.render(tmp_path / "results", tmp_path / "RESULTS.md")
     gb_1024 = traffic.gbps(traffic.forward_bytes(4096, 1024, 2), 20.0)
@@ -56,6 +66,23 @@ def test_render_layout(tmp_path):
     assert "## Test GPU (`results/test/`)" in text and "Recorded 2030-01-02 03:04; tilegym_rms 9.9" in text
     assert "#### Forward, bf16 ([plot](results/test/rms_norm_forward.png))" in text
     assert "Timing: `profiler`" in text and "Copy bandwidth 1000 GB/s" in text
+
+
+def test_qk_norm_records_of_another_head_ratio_get_tables_of_their_own(tmp_path):
+    """A QK-norm run at 32:8 heads beside the default ratio's: two tables, each titled by its ratio, and the
+    summary compares within a ratio (a 32:8 peer never judges the 16:4 point)."""
+    pts = []
+    for heads, provider, us in (("", "tilegym_rms-cutile", 20.0), ("", "torch", 40.0), ("32:8", "torch", 10.0)):
+        extra = {"M": 4096, "dtype": "bf16", "suite": "qk_norm", **({"heads": heads} if heads else {})}
+        p = records.Point("rms_norm", "qk_fwd", "qk_norm", provider, "bf16", 4096, 128, "N", "head dim", 128, extra)
+        p.us, p.nbytes, p.errs, p.ok = [us] * 3, traffic.forward_bytes(4096, 128, 2), {"y": 1e-3}, True
+        pts.append(p)
+    card, text = _render(tmp_path, pts, META)
+    assert "#### QK-norm, forward, q of 16 heads, k of 4, bf16" in text
+    assert "#### QK-norm, forward, q of 32 heads, k of 8, bf16" in text
+    assert make_results.against_best_peer(json.loads((card / "rms_norm.json").read_text()))["qk_fwd"] == [
+        make_results.Versus(2.0, traffic.gbps(traffic.forward_bytes(4096, 128, 2), 20.0) / 1000, "torch", "bf16")
+    ]
 
 
 def test_check_mode(tmp_path):
@@ -76,10 +103,7 @@ def test_latency_tables_judge_the_host_targets(tmp_path):
             p = records.Point("rms_norm", op, "latency", provider, "bf16", 64, 4096, "M", "rows M", 64, extra)
             p.us, p.metric, p.errs, p.ok = [us] * 3, "latency", {"y": 1e-3}, True
             pts.append(p)
-    card = tmp_path / "results" / "test"
-    card.mkdir(parents=True)
-    (card / "rms_norm.json").write_text(json.dumps(records.build_records(pts, meta)))
-    text = make_results.render(tmp_path / "results", tmp_path / "RESULTS.md")
+    card, text = _render(tmp_path, pts, meta)
     assert f"| M × N | cuTile | torch | {make_results.HOST_TARGET_COLUMN} |" in text
     assert "| 64 × 4096 | 20.0 | 18.0 | 1.11× (≤ 1.00×: missed) |" in text
     assert "| 64 × 4096 | 110.0 | 100.0 | 1.10× (≤ 1.10×: met) |" in text
@@ -108,10 +132,7 @@ def test_summary_is_ours_against_the_best_peer(tmp_path):
         )
         p.us, p.nbytes, p.errs, p.ok = [us] * 3, traffic.forward_bytes(1, 768, 4), {"y": 1e-6}, True
         pts.append(p)
-    card = tmp_path / "results" / "test"
-    card.mkdir(parents=True)
-    (card / "rms_norm.json").write_text(json.dumps(records.build_records(pts, meta)))
-    text = make_results.render(tmp_path / "results", tmp_path / "RESULTS.md")
+    card, text = _render(tmp_path, pts, meta)
 
     # Same bytes per shape for every provider: ours / best peer is the best peer's time over ours.
     ratios = [25.0 / 20.0, 40.0 / 50.0, 40.0 / 40.0]

@@ -60,7 +60,7 @@ SUITES = {
     "large": "large hidden sizes",
     "ascend-rs": "ascend-rs suite",
     "fused_add": 'mode "pre"',
-    "qk_norm": f"q of {base.QK_HEADS[0]} heads, k of {base.QK_HEADS[1]}",
+    "qk_norm": "q of {} heads, k of {}".format(*base.QK_HEADS_DEFAULT),  # other ratios: suite_title
     "latency": "eager latency",
 }
 # Below a card's headline results: tuning sweeps and A/B runs, each file named by what it measures (op,
@@ -218,16 +218,25 @@ def _rank(order, item) -> int:
 
 
 def table_key(key: tuple) -> tuple:
-    """Table order in a file: throughput, latency, workspace; by suite, op (as OPS lists them), dtype."""
-    kind, op, suite, dtype = key
-    ranks = (_rank(KINDS, kind), _rank(SUITES, suite), _rank(OPS, op), _rank(DTYPE_ORDER, dtype))
+    """Table order in a file: throughput, latency, workspace; by suite, op (as OPS lists them), dtype, then
+    the QK-norm's head ratio (the default first)."""
+    kind, op, suite, dtype, heads = key
+    ranks = (_rank(KINDS, kind), _rank(SUITES, suite), _rank(OPS, op), _rank(DTYPE_ORDER, dtype), heads != "")
     return ranks + key
 
 
-def title_of(kind: str, op: str, suite: str, dtype: str) -> str:
+def suite_title(suite: str, heads: str = "") -> str:
+    """The suite's words in a table title; ``heads``: a QK-norm record's ``"HQ:HK"`` (absent: the default)."""
+    if heads:
+        hq, hk = heads.split(":")
+        return f"q of {hq} heads, k of {hk}"
+    return SUITES.get(suite, suite)
+
+
+def title_of(kind: str, op: str, suite: str, dtype: str, heads: str = "") -> str:
     if kind == "workspace":
         return f"dw workspace, {dtype}: the fp32 partial buffer and its share of the traffic, 2·ws / (minimal + 2·ws)"
-    title = ", ".join(part for part in (OPS.get(op, op), SUITES.get(suite, suite), dtype) if part)
+    title = ", ".join(part for part in (OPS.get(op, op), suite_title(suite, heads), dtype) if part)
     if kind == "latency":
         title += ": µs per eager call, host + device wall clock (lower is better)"
     return title
@@ -271,14 +280,14 @@ def render_file(path: Path, out_dir: Path) -> tuple[list[str], set[str]]:
         if kind is None:
             continue
         cfg = json.loads(rec["extra_benchmark_config_str"])
-        key = (kind, rec["kernel_operation_mode"], cfg.get("suite", ""), cfg.get("dtype", ""))
+        key = (kind, rec["kernel_operation_mode"], cfg.get("suite", ""), cfg.get("dtype", ""), cfg.get("heads", ""))
         tables.setdefault(key, []).append(rec)
     linked = set()
     for key in sorted(tables, key=table_key):
-        kind, op, suite, dtype = key
+        kind, op, suite, dtype, heads = key
         recs_of = tables[key]
         providers = provider_order({r["kernel_provider"] for r in recs_of})
-        heading = f"#### {title_of(kind, op, suite, dtype)}"
+        heading = f"#### {title_of(kind, op, suite, dtype, heads)}"
         png = card_dir / f"{script.plot_stem(op, suite)}.png" if script and kind != "workspace" else None
         if png is not None and png.exists():
             heading += f" ([plot]({rel(png, out_dir)}))"
@@ -313,9 +322,9 @@ def against_best_peer(recs: list[dict]) -> dict[str, list[Versus]]:
         cfg = json.loads(rec["extra_benchmark_config_str"])
         op, suite = rec["kernel_operation_mode"], cfg.get("suite", "")
         if rec["metric_name"] == "throughput" and op in SUMMARY_OPS and suite in SUMMARY_SUITES:
-            groups.setdefault((op, suite, cfg.get("dtype", "")), []).append(rec)
+            groups.setdefault((op, suite, cfg.get("dtype", ""), cfg.get("heads", "")), []).append(rec)
     out: dict[str, list[Versus]] = {}
-    for (op, _suite, dtype), group in groups.items():
+    for (op, _suite, dtype, _heads), group in groups.items():
         for (m, n), by in points(group).items():
             checked = {p: (y, rec) for p, (y, rec) in by.items() if not mismatch(rec, m, n)}
             peers = {p: y for p, (y, _) in checked.items() if is_peer(p)}
