@@ -110,21 +110,16 @@ def chosen_table(arch: str, sms: int, analytic: bool = False):
     return table, (f"the {key} tuning table" if table is not None else "the analytic heuristics")
 
 
-_ROWS_LABEL = re.compile(r"(\w+) (\d+)x(\d+)(?:\+(\d+))? b(\d+) o(\d+) w(\d+)")
-
-
 def _launched(op: str, dt: str, n: int, m: int, label: str, sms: int):
     """``(variant, blocks)``: the ``op`` ("forward" or "backward") build and grid the host makes for ``m`` rows
     of ``n`` in ``dt`` when a table names the sweep candidate ``label`` (``tuning.build.label``) for them."""
     from dataclasses import asdict
 
     from tilegym_rms import aot
-    from tilegym_rms.cutile import config, tuning
+    from tilegym_rms.cutile import tuning
     from tilegym_rms.cutile.tuning import build
 
-    kind, *fields = _ROWS_LABEL.fullmatch(label).groups()
-    cls = config.ForwardCandidate if op == "forward" else config.BackwardCandidate
-    cand = cls(kind, *(int(f or 0) for f in fields))
+    cand = build.parse_label(op, label)
     doc = build.new_doc("probe", "probe", (9, 0), sms, "measured", "kernel_resources")
     build.set_runs(doc, op, dt, n, [{"m": 1, "winner": asdict(cand), "gbps": {}}])
     grids: dict = {}
