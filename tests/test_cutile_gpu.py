@@ -147,6 +147,25 @@ def test_forced_forward_kernel(m, n, dtype, kernel):
     _check(m, n, dtype, kernel=kernel)
 
 
+@pytest.mark.parametrize("label", ["tiles 16x512+128 b0 o4 w0", "persistent 16x512+128 b8 o4 w0"])
+@pytest.mark.parametrize("n", [576, 640])
+def test_forward_of_a_tile_and_a_tail_as_a_table_entry(n, label):
+    """A padded row held as a tile plus a tail tile (512 + 128) when a tuning table names it, for the walking and
+    the one-tile-per-block kernel (sweep candidates of the wide set): values against float64, 4097 rows."""
+    from tilegym_rms.cutile import tuning
+    from tilegym_rms.cutile.host import forward
+    from tilegym_rms.cutile.launch import num_sms
+    from tilegym_rms.cutile.tuning import build
+
+    cand = build.parse_label("forward", label)
+    empty = build.new_doc("test", "test", torch.cuda.get_device_capability(0), num_sms(0), "measured", "test")
+    doc = build.with_winner(empty, "forward", "bf16", tuning.m_bucket(4097), n, cand)
+    with tuning.use_table(doc):
+        cfg = forward.cached_config(0, 4097, n, torch.bfloat16, None)
+        assert (cfg.kernel, cfg.tile_n, cfg.tail_n) == (cand.kernel, 512, 128)
+        _check(4097, n, torch.bfloat16)
+
+
 @pytest.mark.parametrize("n", [64, 1000, 4096, 16384])
 def test_noncontiguous_inputs(n):
     big = torch.randn(300, n + 24, dtype=torch.bfloat16, device="cuda")

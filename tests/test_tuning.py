@@ -5,7 +5,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -514,6 +514,21 @@ def test_candidates_start_with_the_heuristics_and_are_valid():
     assert kinds == {"gather", "persistent", "tiles"}
     strategies = {c.strategy for c in build.candidates("backward", 8, 1024, BF16, SMS)}
     assert strategies == {"direct", "persistent"}
+
+
+@pytest.mark.parametrize("kernel", ["persistent", "tiles"])
+def test_the_wide_set_splits_padded_rows_into_a_tile_and_a_tail(kernel):
+    """A padded row (640 = 512 + 128) gets tile-plus-tail candidates of both walking and one-tile-per-block
+    kernels in the wide set, valid for the bucket and covering it exactly; a power-of-two row (1024) none."""
+    padded = build.candidates("forward", 65536, 640, BF16, SMS, wide=True)
+    split = [c for c in padded if c.kernel == kernel and c.tail_n]
+    assert split and all((c.tile_n, c.tail_n) == (512, 128) for c in split)
+    assert all(tuning.candidate_error("forward", c, 640) is None for c in split)
+    if kernel == "tiles":  # one tile per block: no walk, and the winners' taller tiles at half the hint
+        tiles = config.forward_candidate(65536, 640, BF16, SMS, "tiles")
+        assert {c.blocks_per_sm for c in split} == {0}
+        assert replace(tiles, tile_n=512, tail_n=128, tile_m=tiles.tile_m * 4, occupancy=tiles.occupancy // 2) in split
+    assert not [c for c in build.candidates("forward", 65536, 1024, BF16, SMS, wide=True) if c.tail_n]
 
 
 def test_select_winner_keeps_the_analytic_choice_within_the_noise():

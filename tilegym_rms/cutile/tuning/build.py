@@ -144,7 +144,8 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
     SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
     four times the analytic one (for qk on both halves, and qk forwards of one tile per block; for the forward
     ops on both kernels, and the one-tile-per-block forward's builds); for a padded
-    persistent forward row, the row as a tile plus a tail tile; and one-block-per-SM builds of each persistent
+    forward row of the persistent or the one-tile-per-block kernel, the row as a tile plus a tail tile
+    (:func:`_add_split_row_builds`); and one-block-per-SM builds of each persistent
     tile shape, with eight warps and at occupancy 1 (:func:`_add_one_block_builds`)."""
     out: list = []
 
@@ -191,6 +192,7 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
             if kernel == "tiles":  # the quick set times its analytic tiles only
                 if wide:
                     _add_tile_builds(add, base, occupancies)
+                    _add_split_row_builds(add, base, n_b)
                 continue
             if not wide:
                 add(replace(base, blocks_per_sm=base.blocks_per_sm * 2))
@@ -204,15 +206,7 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
             for occupancy in occupancies:
                 for b in (1, 16):
                     add(replace(base, occupancy=occupancy, blocks_per_sm=base.blocks_per_sm * b))
-            # A padded row held as a tile plus a tail tile instead (config.split_row: 2304 = 2048 + 256), which
-            # the analytic choice keeps for the widest rows only: fewer padded registers per row.
-            tile_n, tail_n = config.split_row(n_b)
-            if tail_n and not base.tail_n:
-                for tile_m in (base.tile_m, base.tile_m * 2):
-                    for occupancy in (base.occupancy, max(1, base.occupancy) * 2):
-                        for b in (1, 2):
-                            split = dict(tile_n=tile_n, tail_n=tail_n, tile_m=tile_m, occupancy=occupancy)
-                            add(replace(base, **split, blocks_per_sm=base.blocks_per_sm * b))
+            _add_split_row_builds(add, base, n_b)
         if wide:
             _add_one_block_builds(add, out, "kernel")
         return out
@@ -228,6 +222,27 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
         add(replace(base, tile_m=base.tile_m // 2))
         _add_one_block_builds(add, out, "strategy")
     return out
+
+
+def _add_split_row_builds(add, base, n_b: int) -> None:
+    """The wide set's padded rows held as a tile plus a tail tile (``config.split_row``: 2304 = 2048 + 256), which
+    the analytic choice keeps for the widest persistent rows only: fewer padded registers and shared bytes per row.
+    Persistent: once and twice the rows, the occupancy hint and twice it, once and twice the blocks. One tile per
+    block (``"tiles"``): once to four times the rows at the hint and half of it (its winners took taller tiles and
+    lower hints than the analytic ones; blocks per SM stay 0)."""
+    tile_n, tail_n = config.split_row(n_b)
+    if not tail_n or base.tail_n:
+        return
+    o = base.occupancy
+    if base.kernel == "tiles":
+        tile_ms, occupancies = (base.tile_m, base.tile_m * 2, base.tile_m * 4), (max(1, o // 2), o)
+    else:
+        tile_ms, occupancies = (base.tile_m, base.tile_m * 2), (o, max(1, o) * 2)
+    for tile_m in tile_ms:
+        for occupancy in occupancies:
+            for b in (1, 2):
+                split = dict(tile_n=tile_n, tail_n=tail_n, tile_m=tile_m, occupancy=occupancy)
+                add(replace(base, **split, blocks_per_sm=base.blocks_per_sm * b))
 
 
 def _add_tile_builds(add, base, occupancies: list[int]) -> None:
