@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from bench.common import records, traffic
+from bench.common import base, records, traffic
 from bench.tools import make_results
 
 
@@ -143,3 +143,27 @@ def test_summary_is_ours_against_the_best_peer(tmp_path):
     row = f"| Forward | 3 (bf16) | 1.00× ({min(ratios):.2f}–{max(ratios):.2f}×) | 2 of 3 | {share} | Liger 2, quack 1 |"
     assert row in summary
     assert "| Forward + backward | not measured on this card |" in summary
+
+
+def test_the_readmes_speed_summary_quotes_the_results():
+    """The README's speed table (H100) and its H200 line quote the summary RESULTS.md computes from the committed
+    results: each op's median ours ÷ best peer (with the range where the table shows it) and share of copy."""
+    readme = (base.REPO_ROOT / "README.md").read_text()
+
+    def summary_of(card: str) -> dict[str, tuple[str, str, str]]:
+        files = make_results.card_files(make_results.RESULTS_DIR / card)[0]
+        found = make_results.against_best_peer([r for f in files for r in json.loads(f.read_text())])
+        rows = {op: make_results.summary_row(op, found[op]) for op in found}
+        return {op: (row[2], row[2].split(" (")[0], row[4].split(" (")[0]) for op, row in rows.items()}
+
+    h100 = summary_of("h100")
+    for label, op in (("forward", "forward"), ("backward", "backward"), ("forward + backward", "full")):
+        ratio, _, share = h100[op]
+        assert f"| {label} | {ratio} | {share} |" in readme
+    for label, fwd, bwd in (("fused add", "fused_add_fwd", "fused_add_bwd"), ("QK-norm", "qk_fwd", "qk_bwd")):
+        medians, shares = f"{h100[fwd][1]} / {h100[bwd][1]}", f"{h100[fwd][2]} / {h100[bwd][2]}"
+        assert f"| {label}, forward / backward | {medians} | {shares} |" in readme
+    h200 = summary_of("h200")
+    assert (
+        f"forward {h200['forward'][1]}, backward {h200['backward'][1]}, forward + backward {h200['full'][1]}" in readme
+    )
