@@ -334,17 +334,16 @@ def main(argv: list[str] | None = None) -> int:
         args.measure = list(QUICK_DEFAULT_MEASURES if args.quick else MEASURES)
     args = cli_args.finish_args(args)
     base.QK_HEADS = args.qk_heads  # the run's GQA ratio (base.QK_HEADS)
-    if "qk_norm" in args.measure:
-        qk_ms = {m for _, _, suite, configs in plan(args) if suite == "qk_norm" for _, m, _ in configs}
-        bad = sorted(m for m in qk_ms if m % args.qk_heads[0])
-        if bad:
-            print(f"--qk-heads {args.qk_heads[0]}:{args.qk_heads[1]}: M must be a multiple of {args.qk_heads[0]}, "
-                  f"got {', '.join(map(str, bad))}", file=sys.stderr)  # fmt: skip
-            return 2
     if args.latency_calls is None:
         args.latency_calls = 30 if args.quick else LATENCY_CALLS
     split_providers(args)
     steps = plan(args)
+    qk_ms = {m for _, _, suite, configs in steps if suite == "qk_norm" for _, m, _ in configs}
+    bad = sorted(m for m in qk_ms if m % args.qk_heads[0])
+    if bad:
+        print(f"--qk-heads {args.qk_heads[0]}:{args.qk_heads[1]}: M must be a multiple of {args.qk_heads[0]}, "
+              f"got {', '.join(map(str, bad))}", file=sys.stderr)  # fmt: skip
+        return 2
     dry_run_plan = [(op, suite, configs) for _, op, suite, configs in steps]
     session = start_session(args, dry_run_plan, KERNEL_NAME, JSON_NAME, SUITE_JSON)
     if isinstance(session, int):
