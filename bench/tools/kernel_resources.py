@@ -113,15 +113,12 @@ def chosen_table(arch: str, sms: int, analytic: bool = False):
 def _launched(op: str, dt: str, n: int, m: int, label: str, sms: int):
     """``(variant, blocks)``: the ``op`` ("forward" or "backward") build and grid the host makes for ``m`` rows
     of ``n`` in ``dt`` when a table names the sweep candidate ``label`` (``tuning.build.label``) for them."""
-    from dataclasses import asdict
-
     from tilegym_rms import aot
     from tilegym_rms.cutile import tuning
     from tilegym_rms.cutile.tuning import build
 
-    cand = build.parse_label(op, label)
-    doc = build.new_doc("probe", "probe", (9, 0), sms, "measured", "kernel_resources")
-    build.set_runs(doc, op, dt, n, [{"m": 1, "winner": asdict(cand), "gbps": {}}])
+    empty = build.new_doc("probe", "probe", (9, 0), sms, "measured", "kernel_resources")
+    doc = build.with_winner(empty, op, dt, tuning.m_bucket(m), n, build.parse_label(op, label))
     grids: dict = {}
     found = aot.variants_for(m, n, base.DTYPES[dt], sms, (None,), False, tuning.load(doc), grids=grids)
     prefix = "rms_norm_fwd_" if op == "forward" else "rms_norm_bwd_"
