@@ -207,12 +207,18 @@ def test_kernel_resources_reports_what_the_table_launches(monkeypatch, capsys):
         ({"REG": 32, "SHARED": 17472, "THREADS": 384}, 5),  # 12 warps of 1024 registers: 5
         ({"REG": 26, "SHARED": 0, "THREADS": 256}, 8),  # threads: 2048 / 256
         ({"REG": 16, "SHARED": 0, "THREADS": 32}, 32),  # block slots
-        ({"REG": 64, "SHARED": 112000, "THREADS": 128}, 2),  # shared memory, with 1 KB reserved per block
+        ({"REG": 64, "SHARED": 112000, "THREADS": 128}, 2),  # shared memory
+        # Launched sm_90 builds whose blocks per SM the driver counted (cuOccupancyMaxActiveBlocksPerMultiprocessor):
+        # SHARED includes the per-block reserve, so it is not added again.
+        ({"REG": 128, "SHARED": 115856, "THREADS": 256}, 2),  # two fit; with 1 KB added again, one
+        ({"REG": 80, "SHARED": 115824, "THREADS": 384}, 2),
+        ({"REG": 32, "SHARED": 28328, "THREADS": 256}, 8),
     ],
 )
 def test_blocks_that_fit_one_sm(use, fit):
     """The occupancy arithmetic of kernel_resources.py on an sm_90 SM: 64K registers allocated per warp in
-    units of 256, 228 KB of shared memory less 1 KB per block, 2048 threads, 32 blocks."""
+    units of 256, 228 KB of shared memory (the report's SHARED counts the driver's 1 KB per-block reserve),
+    2048 threads, 32 blocks."""
     assert kr.blocks_that_fit(use, "sm_90") == fit
     assert kr.blocks_that_fit(use, "sm_120") is None  # no limits recorded for that target
     assert kr.blocks_that_fit({**use, "THREADS": 0}, "sm_90") is None

@@ -65,11 +65,14 @@ def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int]:
 
 
 # Per-SM limits of the occupancy calculation, by compile target: registers, shared memory (bytes, the
-# largest carve-out), threads, blocks, and the shared memory the driver reserves per block.
+# largest carve-out), threads, blocks. The report's SHARED already counts the 1 KB the driver reserves per
+# block: on launched sm_90 builds it is the driver's static size plus 1024, and the driver's own blocks per SM
+# (cuOccupancyMaxActiveBlocksPerMultiprocessor) equal this model's with SHARED as it stands (PERFORMANCE.md,
+# "Rings sized just past two blocks").
 SM_LIMITS = {
-    "sm_80": {"regs": 65536, "shared": 167936, "threads": 2048, "blocks": 32, "reserved": 1024},
-    "sm_90": {"regs": 65536, "shared": 233472, "threads": 2048, "blocks": 32, "reserved": 1024},
-    "sm_100": {"regs": 65536, "shared": 233472, "threads": 2048, "blocks": 32, "reserved": 1024},
+    "sm_80": {"regs": 65536, "shared": 167936, "threads": 2048, "blocks": 32},
+    "sm_90": {"regs": 65536, "shared": 233472, "threads": 2048, "blocks": 32},
+    "sm_100": {"regs": 65536, "shared": 233472, "threads": 2048, "blocks": 32},
 }
 
 
@@ -83,7 +86,7 @@ def blocks_that_fit(use: dict[str, int], arch: str) -> int | None:
     warps = -(-use["THREADS"] // 32)
     regs_per_warp = -(-max(use["REG"], 1) * 32 // 256) * 256
     by_regs = (lim["regs"] // regs_per_warp) // warps
-    by_shared = lim["shared"] // (use["SHARED"] + lim["reserved"])
+    by_shared = lim["shared"] // max(use["SHARED"], 1)
     return min(by_regs, by_shared, lim["threads"] // use["THREADS"], lim["blocks"])
 
 
