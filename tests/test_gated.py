@@ -420,6 +420,43 @@ def test_cutile_narrow_rows_take_the_head_settings(norm_before_gate):
     assert invariant.fwd.walk
 
 
+@pytest.mark.parametrize(
+    "n,group_size,norm_before_gate,gate_dtype,warps",
+    [
+        (2048, 256, True, torch.bfloat16, "before"),  # rows of gated_bwd_grouped_before_row, groups of 128 and up
+        (2048, 128, True, torch.bfloat16, "before"),
+        (2048, 512, True, torch.bfloat16, "before"),
+        (2048, 64, True, torch.bfloat16, "grouped"),  # narrower groups: where eight warps lost
+        (4096, 256, True, torch.bfloat16, "grouped"),  # wider rows: likewise
+        (2048, 256, False, torch.bfloat16, "grouped"),  # the gate before the norm: likewise
+        (2048, 256, True, torch.float32, "gated"),  # an fp32 gate: the general gated settings
+    ],
+)
+def test_cutile_grouped_backward_warps(n, group_size, norm_before_gate, gate_dtype, warps):
+    """The grouped backward's warps with a 16-bit gate: gated_bwd_grouped_before_worker_warps for the norm before
+    the gate on rows of gated_bwd_grouped_before_row padded columns in groups of at least
+    gated_bwd_grouped_before_min_group, gated_bwd_grouped_worker_warps for other grouped rows (PERFORMANCE.md,
+    "Gated RMSNorm"); an fp32 gate keeps gated_worker_warps."""
+    from tilegym_rms.cutile import config
+
+    p = config.HEURISTICS
+    want = {
+        "before": p.gated_bwd_grouped_before_worker_warps,
+        "grouped": p.gated_bwd_grouped_worker_warps,
+        "gated": p.gated_worker_warps,
+    }[warps]
+    cfg = config.gated_config(
+        65536, n, group_size, torch.bfloat16, 132, gate_dtype=gate_dtype, norm_before_gate=norm_before_gate
+    )
+    assert dict(cfg.bwd.hints).get("num_worker_warps", 0) == want
+    assert dict(cfg.bwd.hints)["occupancy"] == p.gated_occupancy
+    with config.override(gated_bwd_grouped_before_worker_warps=0):  # the setting is what decides
+        cfg = config.gated_config(
+            65536, n, group_size, torch.bfloat16, 132, gate_dtype=gate_dtype, norm_before_gate=norm_before_gate
+        )
+        assert dict(cfg.bwd.hints).get("num_worker_warps", 0) == (0 if warps == "before" else want)
+
+
 def test_cutile_narrow_forward_walks_when_asked():
     """gated_narrow_fwd_walk on: the forward of narrow rows walks its row tiles with the general settings, as wider
     rows do; a partial last tile still gets a block."""

@@ -70,7 +70,14 @@ def gated_config(
     # The batch-invariant mode keeps eight warps: with the compiler's choice a row reached in a later iteration of
     # the row loop came out an ulp apart (PERFORMANCE.md, "Batch invariance").
     if tile_g > 1 and gate_bytes == 2 and not invariant:  # never one row: that takes a single group or fp32
-        bwd_hints = make_hints(occupancy=p.gated_occupancy, num_worker_warps=p.gated_bwd_grouped_worker_warps)
+        warps = p.gated_bwd_grouped_worker_warps
+        if (
+            norm_before_gate
+            and row == p.gated_bwd_grouped_before_row
+            and tile_s >= p.gated_bwd_grouped_before_min_group
+        ):
+            warps = p.gated_bwd_grouped_before_worker_warps
+        bwd_hints = make_hints(occupancy=p.gated_occupancy, num_worker_warps=warps)
     if row >= p.gated_bwd_wide_min_row:  # the plain wide backward's settings
         bwd_hints = make_hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps)
         bwd_blocks = p.bwd_wide_blocks_per_sm

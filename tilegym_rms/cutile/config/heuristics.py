@@ -186,7 +186,10 @@ class Heuristics:
     # row per tile from gated_bwd_one_row_min padded columns on for a single group (two such rows spill) or an
     # fp32 gate (a row of several groups with a 16-bit gate lost at one row per tile), and from
     # gated_bwd_wide_min_row on the plain wide backward's settings. A backward tile of several groups with a
-    # 16-bit gate takes gated_bwd_grouped_worker_warps (0: the compiler's choice) instead.
+    # 16-bit gate takes gated_bwd_grouped_worker_warps (0: the compiler's choice) instead; with the norm before
+    # the gate, tile rows of gated_bwd_grouped_before_row padded columns in groups of at least
+    # gated_bwd_grouped_before_min_group take gated_bwd_grouped_before_worker_warps (measured at 2048 columns in
+    # groups of 64-512, and at 4096 in groups of 256 where they lost).
     gated_fwd_tile_elems: int = 16384
     gated_fwd_small_max_row: int = 2048
     gated_fwd_wide_tile_elems: int = 8192
@@ -217,6 +220,9 @@ class Heuristics:
     gated_occupancy: int = 2
     gated_worker_warps: int = 8
     gated_bwd_grouped_worker_warps: int = 0
+    gated_bwd_grouped_before_row: int = 2048
+    gated_bwd_grouped_before_min_group: int = 128
+    gated_bwd_grouped_before_worker_warps: int = 8
     # Groups per tile: as many as fill this many padded columns (a wider group is a tile row of its own).
     gated_max_group_row: int = 8192
     gated_max_tile_s: int = 16384
