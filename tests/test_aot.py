@@ -108,11 +108,14 @@ def test_the_shipped_tables_measured_winners_are_those_of_their_sweeps_tables(mo
 
 
 def test_qk_variants_cover_the_head_dims_and_both_kernels():
-    """The qk variants reach each representative head dim's tile width, forward and backward."""
+    """The qk variants reach each representative head dim's tile width, and the heads held as a tile and a tail,
+    forward and backward."""
     qk = aot.qk_variants()
     assert {v.kernel_name for v in qk} == {"qk_rms_norm_fwd", "qk_rms_norm_bwd", "rms_norm_dw_reduce"}
-    widths = {v.constants()["TILE_N"] for v in qk if v.kernel_name == "qk_rms_norm_bwd"}
-    assert widths == set(aot.QK_REPRESENTATIVE_D)
+    widths = {(v.constants()["TILE_N"], v.constants()["TAIL_N"]) for v in qk if v.kernel_name == "qk_rms_norm_bwd"}
+    assert widths == {(d, 0) for d in aot.QK_REPRESENTATIVE_D} | {(64, d - 64) for d in aot.QK_TAIL_D}
+    tails = {v.constants()["TAIL_N"] for v in qk if v.kernel_name == "qk_rms_norm_fwd"}
+    assert tails == {0, 16, 32}
     assert set(qk) <= set(aot.variants())  # the full check compiles them too
 
 

@@ -4,6 +4,8 @@ The forward's decisions are tested through the host (``tilegym_rms.cutile``), wh
 heuristic M's power-of-two bucket, not M: the kernel an M gets is the one its bucket gets.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -339,6 +341,21 @@ def test_qk_tiles_depend_on_the_rows_bucket_only():
     a = config.qk_config((1, 1, 40000), (1, 1, 10000), 128, BF16, SMS)
     b = config.qk_config((1, 1, 50000), (1, 1, 12000), 128, BF16, SMS)
     assert (a.fwd_tile_m, a.bwd_tile_m, a.tile_n) == (b.fwd_tile_m, b.bwd_tile_m, b.tile_n)
+
+
+@pytest.mark.parametrize(
+    "d,split",
+    [(80, (64, 16)), (96, (64, 32)), (192, (128, 64)), (72, (128, 0)), (112, (128, 0)), (128, (128, 0)), (64, (64, 0))],
+)
+def test_qk_head_tiles_hold_a_head_as_a_tile_and_a_tail(d, split):
+    """With qk_min_tail_n a head of a power of two plus a smaller one of at least that many columns is held as those
+    two tiles (72 = 64 + 8 has too short a tail, 112 = 64 + 48 a tail that is not a power of two: both padded);
+    without it every head is one padded tile, and the config carries the split to the kernels."""
+    with config.override(qk_min_tail_n=16):
+        assert config.qk_head_tiles(d) == split
+        c = config.qk_config((1, 1, 4 * 4096), (1, 1, 4096), d, BF16, SMS)
+        assert (c.tile_n, c.tail_n) == split
+    assert config.qk_head_tiles(d, replace(config.HEURISTICS, qk_min_tail_n=0)) == (config.next_pow2(d), 0)
 
 
 def test_qk_config_rejects_head_dims_wider_than_one_tile():

@@ -388,14 +388,14 @@ def _emulated_launch(calls):
         kernel = kernel_name(kernel)
         calls.append(kernel)
         if kernel == "qk_rms_norm_fwd":
-            q, k, wq, wk, yq, yk, rq, rk, eps, offset, *_tiles, _tn, cast, has_wq, has_wk, _exact_d, _walk = args
+            q, k, wq, wk, yq, yk, rq, rk, eps, offset, *_tiles, _tn, _tail, cast, has_wq, has_wk, _exact_d, _walk = args
             mode = reference.KERNEL_CASTING_MODES[cast]
             for x, w, has, y, r in ((q, wq, has_wq, yq, rq), (k, wk, has_wk, yk, rk)):
                 out, rstd = reference.rms_norm_forward(x, w if has else None, eps, offset, mode)
                 y.copy_(out)
                 r.copy_(rstd)
         elif kernel == "qk_rms_norm_bwd":
-            dyq, dyk, q, k, wq, wk, rq, rk, dq, dk, partial, offset, *_tiles, _tn, has_wq, has_wk = args
+            dyq, dyk, q, k, wq, wk, rq, rk, dq, dk, partial, offset, *_tiles, _tn, _tail, has_wq, has_wk = args
             assert partial.shape[0] == grid[0] or not (has_wq or has_wk)
             for slot, (dy, x, w, has, r, dx) in enumerate(((dyq, q, wq, has_wq, rq, dq), (dyk, k, wk, has_wk, rk, dk))):
                 grad, dw = reference.rms_norm_backward(x, dy, w if has else None, r, offset)

@@ -124,6 +124,40 @@ def test_qk_forward_of_one_tile_per_block(d, layout):
         _check(q, k)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d,tail", [(80, 16), (96, 32), (192, 64)])
+@pytest.mark.parametrize("tokens", [999, 8192])  # partial tiles along G and H; many tiles per block
+def test_qk_head_as_a_tile_and_a_tail(monkeypatch, tokens, d, tail, dtype, layout):
+    """qk_min_tail_n: a head of 80, 96 or 192 columns held as a power-of-two tile and a tail tile (no padded
+    columns), as both kernels are launched; values and gradients against float64 in every layout, the gradient as
+    a transposing consumer hands it back, both weights' dw through the partial buffer's head and tail columns."""
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile import config
+    from tilegym_rms.cutile.host import common
+    from tilegym_rms.experimental import kernel_name
+
+    launched = {}
+    real = common.launcher()
+
+    def launch(kernel, grid, args, *rest):
+        launched[kernel_name(kernel)] = args
+        return real(kernel, grid, args, *rest)
+
+    monkeypatch.setattr(common, "launcher", lambda: launch)
+    q, k = _layout(layout, 1, tokens, d, dtype, 28, 4)
+    cutile.clear_caches()
+    try:
+        with config.override(qk_min_tail_n=16):
+            _check(q, k, grad="transposed_back")
+    finally:
+        cutile.clear_caches()
+    # (TILE_N, TAIL_N): the forward's constants end with CAST, HAS_WQ, HAS_WK, EXACT_D, WALK; the backward's with
+    # HAS_WQ, HAS_WK.
+    assert tuple(launched["qk_rms_norm_fwd"][-7:-5]) == (d - tail, tail)
+    assert tuple(launched["qk_rms_norm_bwd"][-4:-2]) == (d - tail, tail)
+
+
 @pytest.mark.parametrize("grad", GRADIENTS)
 def test_qk_gradient_layouts_at_many_rows(grad):
     """A fused qkv slice of 8192 tokens, 32 and 8 heads (327680 rows): many tiles per block."""

@@ -290,6 +290,8 @@ def table_variants(arch: str | None = None) -> list[Variant]:
 
 # Head dims of the common models; the other sizes of a head dim share these tile classes (96 pads to 128).
 QK_REPRESENTATIVE_D = (64, 128, 256)
+# Head dims a head tile plus a tail tile can hold (config.qk_head_tiles): 64 + 16 and 64 + 32.
+QK_TAIL_D = (80, 96)
 # GQA: 4 query heads per key head in the dense layouts (their tiles do not depend on the heads). Rows of q and
 # k: a small and a large step, as REPRESENTATIVE_M.
 QK_HEADS_RATIO = 4
@@ -359,6 +361,12 @@ def qk_variants() -> list[Variant]:
     with config.override(qk_fwd_blocks_per_sm=0, qk_fwd_tile_elems=4096, qk_fwd_occupancy=8):
         for d in QK_REPRESENTATIVE_D:
             found.update(dict.fromkeys(qk_variants_for(REPRESENTATIVE_M[-1], d, torch.bfloat16, every_path=False)))
+    # Heads held as a tile and a tail (qk_min_tail_n): 80 and 96 columns, dense and a fused qkv slice.
+    with config.override(qk_min_tail_n=16):
+        for d in QK_TAIL_D:
+            for layout, heads in (("dense", (QK_HEADS_RATIO, 1)), ("qkv_slice", QK_HEADS[0])):
+                more = qk_variants_for(REPRESENTATIVE_M[-1], d, torch.bfloat16, False, layout=layout, heads=heads)
+                found.update(dict.fromkeys(more))
     return list(found)
 
 
