@@ -857,6 +857,55 @@ def test_the_sweep_estimates_the_new_ops_points_and_timings(tune_table):
     assert got["qk"]["timings"] == 12 * got["qk"]["points"]  # 6 forward halves + 6 backward halves
     default = tune_table.sweep_args(tune_table.build_parser().parse_args([]))[0]
     assert default == ["forward", "backward"]
+    # --span times the plain ops' points twice (each bucket from 8 rows has a span point), qk's once
+    spanned = {op: tune_table.estimate([op], points, SMS, span=True) for op in ops}
+    one_row = tune_table.estimate(["forward"], {"forward": [p for p in points["forward"] if p[2] == 1]}, SMS)
+    assert spanned["forward"]["timings"] == 2 * got["forward"]["timings"] - one_row["timings"]
+    assert spanned["qk"]["timings"] == got["qk"]["timings"]
+
+
+@pytest.mark.parametrize("span", [False, True])
+def test_a_point_is_timed_at_its_span_and_won_over_both(tune_table, monkeypatch, span):
+    """time_point with fake timings (no GPU): every candidate timed at the bucket point, and with ``span`` at
+    ``build.span_rows`` rows too, through the table of that candidate alone; the winner is the best at the
+    point alone, or over both points with the span."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    m_b, n_b = 8192, 5120
+    cands = build.candidates("forward", m_b, n_b, BF16, SMS)
+    labels = [build.label("forward", c) for c in cands]
+    at_point, inside = labels[1], labels[2]  # the point's best; the best over the bucket's rows
+    us = {(lab, m): 100.0 for lab in labels for m in (m_b, build.span_rows(m_b))}
+    us[(at_point, m_b)], us[(at_point, build.span_rows(m_b))] = 90.0, 130.0
+    us[(inside, m_b)], us[(inside, build.span_rows(m_b))] = 95.0, 92.0
+    current = {}
+
+    @contextmanager
+    def use_table(doc):
+        current["label"] = build.label(
+            "forward", tuning.parse_winner("forward", doc["forward"]["bf16"][str(n_b)][0]["winner"], "t")
+        )
+        yield
+
+    monkeypatch.setattr(tune_table.tuning, "use_table", use_table)
+    monkeypatch.setattr(
+        tune_table.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=SMS)
+    )
+    monkeypatch.setattr(tune_table, "_inputs", lambda op, m, n, dtype, device: ([m], {"": (m * n * 4, op)}))
+    monkeypatch.setattr(tune_table, "_call", lambda cutile, kind, w: None)
+    monkeypatch.setattr(
+        tune_table.tune_cutile, "_time_us", lambda timer, call, sets, reps: us[(current["label"], sets[0])]
+    )
+    monkeypatch.setattr(tune_table.torch, "randn", lambda *a, **k: None)
+    run = tune_table.time_point(None, None, "cpu", "sm90_132sm", "forward", BF16, n_b, m_b, 1, 0.01, span=span)
+    assert set(run["gbps"]) == set(labels)
+    assert run["gbps"][at_point] > run["gbps"][inside]
+    if span:
+        assert run["span"]["m"] == build.span_rows(m_b) and set(run["span"]["gbps"]) == set(labels)
+    else:
+        assert "span" not in run
+    assert build.label("forward", tuning.parse_winner("forward", run["winner"], "t")) == (inside if span else at_point)
 
 
 def test_the_qk_winner_takes_the_best_half_each_way_on_fake_timings(tune_table):
@@ -1064,6 +1113,46 @@ def test_overlay_keeps_each_qk_half_unless_the_sweep_beats_it_by_min_gain(fwd_ga
     for side, gain in (("fwd", fwd_gain), ("bwd", bwd_gain)):
         want = challenger if gain >= 1.02 else incumbent
         assert build.qk_half_label(got, side) == build.qk_half_label(want, side), side
+
+
+def test_span_rows_lie_inside_the_bucket():
+    """The second point of a bucket's span takes the bucket's winner: more than half the point's rows, fewer
+    than the point's (5/8 of them); buckets of fewer than 8 rows have none."""
+    for m_b in tuning.M_BUCKETS:
+        m = build.span_rows(m_b)
+        if m_b < 8:
+            assert m is None
+            continue
+        assert m_b // 2 < m < m_b and tuning.m_bucket(m) == m_b
+
+
+def test_a_spanned_run_is_scored_by_both_points():
+    """A run timed at its bucket point and inside its span is scored by the geometric mean of the two GB/s,
+    for candidates timed at both; a run without a span by the point's GB/s alone."""
+    run = {"m": 8192, "gbps": {"a": 2700.0, "b": 2600.0, "c": 2000.0}}
+    assert build.scores(run) == run["gbps"]
+    run["span"] = {"m": 5120, "gbps": {"a": 2400.0, "b": 2680.0}}
+    got = build.scores(run)
+    assert set(got) == {"a", "b"}
+    assert got["a"] == pytest.approx((2700.0 * 2400.0) ** 0.5) and got["b"] == pytest.approx((2600.0 * 2680.0) ** 0.5)
+    assert build.select_winner(got, "a", 0.01) == "b"  # ahead over the bucket's rows, behind at its point
+
+
+def test_overlay_keeps_or_replaces_the_incumbent_by_the_span_scores():
+    """An overlay measures the sweep's winner against the base's by the run's scores: a winner at the bucket point
+    alone that loses inside the span does not replace the incumbent."""
+    n, m = 4096, 32768
+    base = build.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
+    incumbent = config.backward_candidate(m, n, BF16, SMS)
+    challenger = config.BackwardCandidate("persistent", 4, 4096, 0, 1, 1, 8)
+    mine, theirs = build.label("backward", incumbent), build.label("backward", challenger)
+    for span_gbps, kept in (({mine: 2000.0, theirs: 1800.0}, True), ({mine: 2000.0, theirs: 2100.0}, False)):
+        run = {"m": m, "winner": asdict(challenger), "gbps": {mine: 2000.0, theirs: 2060.0}}
+        run["span"] = {"m": build.span_rows(m), "gbps": span_gbps}
+        sweep = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
+        build.set_runs(sweep, "backward", "bf16", n, [run])
+        got = tuning.load(build.overlay(base, sweep)).lookup("backward", m, n, BF16)
+        assert got == (incumbent if kept else challenger), span_gbps
 
 
 def test_overlay_takes_the_sweeps_winner_where_the_incumbent_was_not_timed():

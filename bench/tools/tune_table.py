@@ -45,6 +45,11 @@ apart: they are separate launches whose configs do not interact, so the best for
 backward half make the winner (11 candidates, 12 timings) where timing every pair would take 36. qk runs at
 head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile_n``).
 
+``--span`` also times every candidate at 5/8 of each M bucket's rows (``build.span_rows``; forward, backward
+and fused forward) and chooses the winner by the geometric mean of its GB/s at both points (``build.scores``):
+a bucket's winner serves every row count from half its point up, and one timed at the point alone can lose
+3-12% below it (PERFORMANCE.md, "Tuning tables", "Between bucket points"). Its runs record ``"span"``.
+
 ``--wide`` times more candidates per point (``build.candidates(wide=True)``: occupancy hints of 2x and 4x,
 half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, builds of
 each persistent tile at one block per SM with eight warps and at occupancy 1 (the deepest ring of TMA load
@@ -103,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help=f"N every 512 columns, M {M_QUICK}")
     parser.add_argument(
         "--wide", action="store_true", help="more candidates per point (build.candidates(wide=True)): slower"
+    )
+    parser.add_argument(
+        "--span", action="store_true", help="also time each candidate at 5/8 of the bucket's rows; choose by both"
     )
     parser.add_argument("--merge", help="an existing table: its measured points are kept and skipped")
     parser.add_argument("--reps", type=int, default=3, help="timed passes over the rotating inputs (median)")
@@ -180,9 +188,9 @@ def compiled_parts(op: str, dt: str, n_b: int, cands) -> set:
     return {(op, dt, *(v for k, v in asdict(c).items() if k != "blocks_per_sm")) for c in cands}
 
 
-def estimate(ops, points, sms: int, done=frozenset(), wide: bool = False) -> dict:
+def estimate(ops, points, sms: int, done=frozenset(), wide: bool = False, span: bool = False) -> dict:
     """What a sweep will do: points, timed candidates and distinct compiled variants, and the estimated
-    time."""
+    time (``span``: the timings of :func:`spans` points twice)."""
     n_points = timings = 0
     variants = set()
     for op in ops:
@@ -191,10 +199,16 @@ def estimate(ops, points, sms: int, done=frozenset(), wide: bool = False) -> dic
                 continue
             cands = build.candidates(op, m_b, n_b, tuning.DTYPES[dt], sms, wide)
             n_points += 1
-            timings += len(timed_parts(op, cands))
+            timings += len(timed_parts(op, cands)) * (2 if span and spans(op, m_b) else 1)
             variants.update(compiled_parts(op, dt, n_b, cands))
     seconds = len(variants) * COMPILE_S + timings * TIMING_S
     return {"points": n_points, "timings": timings, "variants": len(variants), "estimate_s": seconds}
+
+
+def spans(op: str, m_b: int) -> bool:
+    """Whether ``--span`` times a second point in ``op``'s M bucket ``m_b`` (not qk: its M buckets count q's
+    and k's rows together, and its halves are timed apart)."""
+    return op != "qk" and build.span_rows(m_b) is not None
 
 
 def measured_points(doc: dict | None) -> set:
@@ -253,7 +267,7 @@ def main(argv=None) -> int:
     base_doc = tuning.load(args.merge).doc if args.merge else None
     done = measured_points(base_doc)
     if args.estimate:
-        p = estimate(ops, points, args.sms or 132, done, args.wide)
+        p = estimate(ops, points, args.sms or 132, done, args.wide, args.span)
         print(
             f"{p['points']} points, {p['timings']} timings, {p['variants']} variants; ~{p['estimate_s'] / 60:.0f} min"
         )
@@ -287,7 +301,7 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
     doc["copy_gbps"] = round(copy_bw, 1)
     if base_doc is not None:
         doc = build.merge(base_doc, doc)
-    p = estimate(ops, points, sms, done, args.wide)
+    p = estimate(ops, points, sms, done, args.wide, args.span)
     print(f"{name} ({key}), copy {copy_bw:.0f} GB/s: {p['points']} points, {p['timings']} timings, ")
     print(f"{p['variants']} compiled variants; estimate ~{p['estimate_s'] / 60:.0f} min", flush=True)
     reps = args.reps
@@ -303,10 +317,22 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
             for m_b in ms:
                 runs.append(
                     time_point(
-                        cutile, timer, device, key, op, dtype, n_b, m_b, reps, args.min_gain, args.wide, forward_doc
+                        cutile,
+                        timer,
+                        device,
+                        key,
+                        op,
+                        dtype,
+                        n_b,
+                        m_b,
+                        reps,
+                        args.min_gain,
+                        args.wide,
+                        forward_doc,
+                        args.span and spans(op, m_b),
                     )
                 )
-                timed += len(runs[-1]["gbps"])
+                timed += len(runs[-1]["gbps"]) + len(runs[-1].get("span", {}).get("gbps", {}))
             if runs:
                 new = build.new_doc(key, name, cc, sms, "measured", command)
                 build.set_runs(new, op, dt, n_b, runs)
@@ -379,36 +405,48 @@ def candidate_table(key: str, sms: int, op: str, dtype: torch.dtype, n_b: int, c
     return one
 
 
-def time_point(cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain, wide=False, forward_doc=None) -> dict:
+def time_point(
+    cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain, wide=False, forward_doc=None, span=False
+) -> dict:
     """One run: every candidate at (m_b, n_b) timed through the product's host path (each half of a qk
     candidate once); the winner. With ``forward_doc`` (``--after-forward``) a backward candidate is timed
-    after the forward of that table, its GB/s those of the pair, and the run records ``"timed"``."""
+    after the forward of that table, its GB/s those of the pair, and the run records ``"timed"``. With
+    ``span`` every candidate is timed at ``build.span_rows(m_b)`` rows too (the run's ``"span"``) and the
+    winner chosen by ``build.scores``."""
     after = op == "backward" and forward_doc is not None
-    sets, parts = _inputs(op, m_b, n_b, dtype, device)
-    if after:
-        parts = {"": (traffic.full_bytes(m_b, n_b, dtype.itemsize), AFTER_FORWARD)}
     w = torch.randn(n_b, dtype=dtype, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     cands = build.candidates(op, m_b, n_b, dtype, sms, wide)
-    gbps = {}
-    for cand in cands:
-        one = candidate_table(key, sms, op, dtype, n_b, cand, forward_doc if after else None)
-        for side, (nbytes, kind) in parts.items():
-            what = build.qk_half_label(cand, side) if op == "qk" else build.label(op, cand)
-            if what in gbps:
-                continue  # a qk half already timed with another candidate
-            with tuning.use_table(one):
-                try:
-                    call = _call(cutile, kind if op == "qk" or after else op, w)
-                    us = tune_cutile._time_us(timer, call, sets, reps)
-                    gbps[what] = round(traffic.gbps(nbytes, us), 1)
-                except Exception as exc:  # noqa: BLE001 - a candidate that fails to compile is a result too
-                    print(f"    {op} {m_b}x{n_b} {what}: {base.short_error(exc)}", flush=True)
+
+    def time_all(m: int) -> dict[str, float]:
+        sets, parts = _inputs(op, m, n_b, dtype, device)
+        if after:
+            parts = {"": (traffic.full_bytes(m, n_b, dtype.itemsize), AFTER_FORWARD)}
+        gbps = {}
+        for cand in cands:
+            one = candidate_table(key, sms, op, dtype, n_b, cand, forward_doc if after else None)
+            for side, (nbytes, kind) in parts.items():
+                what = build.qk_half_label(cand, side) if op == "qk" else build.label(op, cand)
+                if what in gbps:
+                    continue  # a qk half already timed with another candidate
+                with tuning.use_table(one):
+                    try:
+                        call = _call(cutile, kind if op == "qk" or after else op, w)
+                        us = tune_cutile._time_us(timer, call, sets, reps)
+                        gbps[what] = round(traffic.gbps(nbytes, us), 1)
+                    except Exception as exc:  # noqa: BLE001 - a candidate that fails to compile is a result too
+                        print(f"    {op} {m}x{n_b} {what}: {base.short_error(exc)}", flush=True)
+        return gbps
+
+    run = {"m": m_b, "gbps": time_all(m_b)}
     if op == "qk":
-        return {"m": m_b, "winner": asdict(qk_winner(cands, gbps, min_gain)), "gbps": gbps}
-    winner = build.select_winner(gbps, build.label(op, cands[0]), min_gain)
+        return {"m": m_b, "winner": asdict(qk_winner(cands, run["gbps"], min_gain)), "gbps": run["gbps"]}
+    if span:
+        m_span = build.span_rows(m_b)
+        run["span"] = {"m": m_span, "gbps": time_all(m_span)}
+    winner = build.select_winner(build.scores(run), build.label(op, cands[0]), min_gain)
     by_label = {build.label(op, c): c for c in cands}
-    run = {"m": m_b, "winner": asdict(by_label[winner]), "gbps": gbps}
+    run = {"m": m_b, "winner": asdict(by_label[winner]), **{k: v for k, v in run.items() if k != "m"}}
     return {**run, "timed": AFTER_FORWARD} if after else run
 
 

@@ -7,6 +7,7 @@ through :mod:`tilegym_rms.cutile.tuning` (schema, validation, lookup, the table 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterable
@@ -269,6 +270,24 @@ def _add_one_block_builds(add, out: list, kind: str) -> None:
             add(replace(c, blocks_per_sm=1, occupancy=1))
 
 
+def span_rows(m_b: int) -> int | None:
+    """Rows of the second point ``tune_table --span`` times in M bucket ``m_b``: 5/8 of its rows, among those
+    that take the bucket's winner (from half its rows, exclusive, up to them); None for a bucket too small."""
+    m = m_b * 5 // 8
+    return m if m > m_b // 2 else None
+
+
+def scores(run: dict) -> dict[str, float]:
+    """What a measured run's winner is chosen by, per candidate: its GB/s at the bucket point, or where the run
+    also timed a point inside the bucket (``"span"``: ``{"m": rows, "gbps": {...}}``), the geometric mean of
+    the two, for the candidates timed at both: a bucket's winner serves every row count in it."""
+    span = run.get("span")
+    if not span:
+        return run["gbps"]
+    other = span["gbps"]
+    return {k: math.sqrt(v * other[k]) for k, v in run["gbps"].items() if k in other}
+
+
 def select_winner(gbps: dict[str, float], default: str, min_gain: float = 0.01) -> str:
     """The fastest candidate, unless it beats ``default`` (the analytic choice) by less than ``min_gain``:
     timing noise is then no reason to change a decision."""
@@ -351,12 +370,13 @@ def _reference_runs(doc: dict, op: str, dt: str, key: str) -> list[dict]:
 
 def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dict:
     """A measured sweep ``run`` whose winner yields to ``incumbent`` (what the base launches at that M bucket)
-    when the sweep timed the incumbent too and its winner beats it by less than ``min_gain``: as the sweep's
+    when the sweep timed the incumbent too and its winner beats it by less than ``min_gain`` (by :func:`scores`):
+    as the sweep's
     own rule keeps the analytic choice (:func:`select_winner`), so a re-timed table keeps its choices within
     the noise. A qk run is timed by halves: each half (forward, backward) yields on its own."""
     if run["winner"] == incumbent:
         return run
-    gbps = run["gbps"]
+    gbps = scores(run)
     if op == "qk":
         kept, timed = parse_winner(op, incumbent, "incumbent"), parse_winner(op, run["winner"], "winner")
         winner = dict(run["winner"])
