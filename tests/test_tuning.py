@@ -866,9 +866,9 @@ def test_the_sweep_estimates_the_new_ops_points_and_timings(tune_table):
 
 @pytest.mark.parametrize("span", [False, True])
 def test_a_point_is_timed_at_its_span_and_won_over_both(tune_table, monkeypatch, span):
-    """time_point with fake timings (no GPU): every candidate timed at the bucket point, and with ``span`` at
-    ``build.span_rows`` rows too, through the table of that candidate alone; the winner is the best at the
-    point alone, or over both points with the span."""
+    """time_point with fake timings (no GPU): every candidate and the table's incumbent timed at the bucket
+    point, and with ``span`` at ``build.span_rows`` rows too, through the table of that candidate alone; the
+    winner is the best at the point alone, or over both points with the span."""
     from contextlib import contextmanager
     from types import SimpleNamespace
 
@@ -895,11 +895,16 @@ def test_a_point_is_timed_at_its_span_and_won_over_both(tune_table, monkeypatch,
     monkeypatch.setattr(tune_table, "_inputs", lambda op, m, n, dtype, device: ([m], {"": (m * n * 4, op)}))
     monkeypatch.setattr(tune_table, "_call", lambda cutile, kind, w: None)
     monkeypatch.setattr(
-        tune_table.tune_cutile, "_time_us", lambda timer, call, sets, reps: us[(current["label"], sets[0])]
+        tune_table.tune_cutile, "_time_us", lambda timer, call, sets, reps: us.get((current["label"], sets[0]), 100.0)
     )
     monkeypatch.setattr(tune_table.torch, "randn", lambda *a, **k: None)
-    run = tune_table.time_point(None, None, "cpu", "sm90_132sm", "forward", BF16, n_b, m_b, 1, 0.01, span=span)
-    assert set(run["gbps"]) == set(labels)
+    incumbent = config.ForwardCandidate("persistent", 2, 8192, 0, 8, 0, 0)  # the table's, not a candidate
+    assert build.label("forward", incumbent) not in labels
+    labels.append(build.label("forward", incumbent))
+    run = tune_table.time_point(
+        None, None, "cpu", "sm90_132sm", "forward", BF16, n_b, m_b, 1, 0.01, span=span, incumbent=incumbent
+    )
+    assert set(run["gbps"]) == set(labels)  # the incumbent timed beside the candidates
     assert run["gbps"][at_point] > run["gbps"][inside]
     if span:
         assert run["span"]["m"] == build.span_rows(m_b) and set(run["span"]["gbps"]) == set(labels)

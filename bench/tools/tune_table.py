@@ -330,6 +330,7 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
                         args.wide,
                         forward_doc,
                         args.span and spans(op, m_b),
+                        device_table.lookup(op, m_b, n_b, dtype) if device_table is not None else None,
                     )
                 )
                 timed += len(runs[-1]["gbps"]) + len(runs[-1].get("span", {}).get("gbps", {}))
@@ -406,17 +407,33 @@ def candidate_table(key: str, sms: int, op: str, dtype: torch.dtype, n_b: int, c
 
 
 def time_point(
-    cutile, timer, device, key, op, dtype, n_b, m_b, reps, min_gain, wide=False, forward_doc=None, span=False
+    cutile,
+    timer,
+    device,
+    key,
+    op,
+    dtype,
+    n_b,
+    m_b,
+    reps,
+    min_gain,
+    wide=False,
+    forward_doc=None,
+    span=False,
+    incumbent=None,
 ) -> dict:
     """One run: every candidate at (m_b, n_b) timed through the product's host path (each half of a qk
-    candidate once); the winner. With ``forward_doc`` (``--after-forward``) a backward candidate is timed
-    after the forward of that table, its GB/s those of the pair, and the run records ``"timed"``. With
-    ``span`` every candidate is timed at ``build.span_rows(m_b)`` rows too (the run's ``"span"``) and the
-    winner chosen by ``build.scores``."""
+    candidate once), and ``incumbent`` (the device's table's winner there) where the candidates lack it, so
+    that an overlay can weigh the new winner against it; the winner. With ``forward_doc`` (``--after-forward``)
+    a backward candidate is timed after the forward of that table, its GB/s those of the pair, and the run
+    records ``"timed"``. With ``span`` every candidate is timed at ``build.span_rows(m_b)`` rows too (the run's
+    ``"span"``) and the winner chosen by ``build.scores``."""
     after = op == "backward" and forward_doc is not None
     w = torch.randn(n_b, dtype=dtype, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     cands = build.candidates(op, m_b, n_b, dtype, sms, wide)
+    if incumbent is not None and incumbent not in cands:
+        cands.append(incumbent)
 
     def time_all(m: int) -> dict[str, float]:
         sets, parts = _inputs(op, m, n_b, dtype, device)
