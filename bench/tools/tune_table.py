@@ -315,24 +315,10 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
             dtype = tuning.DTYPES[dt]
             runs = []
             for m_b in ms:
-                runs.append(
-                    time_point(
-                        cutile,
-                        timer,
-                        device,
-                        key,
-                        op,
-                        dtype,
-                        n_b,
-                        m_b,
-                        reps,
-                        args.min_gain,
-                        args.wide,
-                        forward_doc,
-                        args.span and spans(op, m_b),
-                        device_table.lookup(op, m_b, n_b, dtype) if device_table is not None else None,
-                    )
-                )
+                point = (cutile, timer, device, key, op, dtype, n_b, m_b, reps, args.min_gain)
+                incumbent = device_table.lookup(op, m_b, n_b, dtype) if device_table is not None else None
+                span = args.span and spans(op, m_b)
+                runs.append(time_point(*point, args.wide, forward_doc, span=span, incumbent=incumbent))
                 timed += len(runs[-1]["gbps"]) + len(runs[-1].get("span", {}).get("gbps", {}))
             if runs:
                 new = build.new_doc(key, name, cc, sms, "measured", command)
