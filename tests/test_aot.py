@@ -143,6 +143,11 @@ def test_gated_variants_cover_the_tile_classes_and_axes():
     }
     assert {v.constants()["GATE"] for v in bwd} == set(GATE_CODES.values())
     assert ("array", torch.float32, 3) in {v.params[2] for v in bwd}  # the gate of bf16 x in fp32
+    # The grouped backward with a 16-bit gate at both of its warp settings, before the gate (1536 in groups of 512
+    # is a tile row of 2048 padded columns: gated_bwd_grouped_before_*)
+    grouped = [v for v in bwd if v.constants()["TILE_G"] > 1 and v.params[2] == ("array", torch.bfloat16, 3)]
+    warps = {(v.constants()["NORM_BEFORE_GATE"], dict(v.hints).get("num_worker_warps", 0)) for v in grouped}
+    assert {(True, 8), (True, 0), (False, 0)} <= warps
     assert set(gated) <= set(aot.variants())  # the full check compiles them too
 
 
