@@ -363,7 +363,8 @@ def test_qk_config_rejects_head_dims_wider_than_one_tile():
         config.qk_config((1, 1, 64), (1, 1, 64), 2048, BF16, SMS)
 
 
-# qk_config before the table could decide (commit 6adf6ae, 132 SMs): (m_q, m_k, D) -> QKConfig fields.
+# The analytic heuristics' qk_config, pinned (132 SMs): (m_q, m_k, D) -> QKConfig fields, which a table-less
+# launch must keep.
 QK_BEFORE_THE_TABLE = {
     (3276, 819, 128): (128, 16, 16, 257, 257, (("occupancy", 2),), (("occupancy", 2),)),
     (16384, 4096, 64): (64, 128, 128, 160, 160, (("occupancy", 2),), (("occupancy", 2),)),

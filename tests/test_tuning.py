@@ -18,8 +18,8 @@ SMS = 132
 BF16 = torch.bfloat16
 REPO = Path(__file__).resolve().parents[1]
 
-# The forward / backward configs of the 14-shape grid (bench.common.base.GRID_M x GRID_N) as the heuristics chose
-# them before they became data (commit 76ffe7e, H100: 132 SMs), through the host (forward: M's bucket,
+# The forward / backward configs of the 14-shape grid (bench.common.base.GRID_M x GRID_N) as the analytic
+# heuristics choose them, pinned (H100: 132 SMs), through the host (forward: M's bucket,
 # the grid following M). ForwardConfig: kernel, tile_m, tile_n, single_tile, grid, hints, tail_n.
 # BackwardConfig: strategy, tile_m, tile_n, grid, num_chunks, hints, tail_n, strip_n, strip_m, and dw_per_row (added
 # after the freeze: many-row tiles of at most Heuristics.bwd_dw_per_row_max_row columns).
