@@ -6,7 +6,7 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from ...experimental import experimental_kernel
-from .common import _F32, _ZERO, CAST_GEMMA, _effective_weight, _load_f32
+from .common import _F32, _ZERO, CAST_GEMMA, _effective_weight, _effective_weights, _load_f32
 
 
 def _load_row_values(values, t, TILE_M):
@@ -85,11 +85,10 @@ def rms_norm_bwd_persistent(
     # 1 / n once per block: a tile's per-row values are held by every thread, so a division per row costs one per
     # element of a many-row tile (PERFORMANCE.md, "Toolchain", compiler facts).
     inv_n = 1.0 / n
-    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST_GEMMA, x.dtype)
+    wt, wt_tail = _effective_weights(w, offset, TILE_N, TAIL_N, HAS_W, CAST_GEMMA, x.dtype)
     dw_acc = _dw_zeros(TILE_M, TILE_N, DW_PER_ROW)
     if TAIL_N:
         tail = TILE_N // TAIL_N  # the tail tile's column index
-        wt_tail = _effective_weight(w, tail, offset, TAIL_N, HAS_W, CAST_GEMMA, x.dtype)
         dw_acc_tail = _dw_zeros(TILE_M, TAIL_N, DW_PER_ROW)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
         r = _load_row_values(rstd, t, TILE_M)

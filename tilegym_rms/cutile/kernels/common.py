@@ -50,6 +50,16 @@ def _effective_weight(w, chunk, offset, TILE_N, HAS_W, CAST, dtype):
     return ct.full((1, TILE_N), 1.0, dtype=_F32)
 
 
+def _effective_weights(w, offset, TILE_N, TAIL_N, HAS_W, CAST, dtype):
+    """:func:`_effective_weight` of a row held as a tile and, with ``TAIL_N``, a tail tile of the next ``TAIL_N``
+    columns: ``(head, tail)`` (without a tail the head again, never read as one)."""
+    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, dtype)
+    wt_tail = wt
+    if TAIL_N:
+        wt_tail = _effective_weight(w, TILE_N // TAIL_N, offset, TAIL_N, HAS_W, CAST, dtype)
+    return wt, wt_tail
+
+
 def _sum_sq(xf):
     """Per-row sum of squares of an fp32 tile, as a ``(rows, 1)`` column."""
     return ct.sum(xf * xf, axis=1, keepdims=True)

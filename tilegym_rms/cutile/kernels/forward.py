@@ -9,6 +9,7 @@ from .common import (
     _F32,
     ADD_PRE,
     _effective_weight,
+    _effective_weights,
     _load_input,
     _normalize_as,
     _rstd_from_sum_sq,
@@ -106,10 +107,7 @@ def rms_norm_fwd_persistent(
     the config's ``"tiles"`` kernel, PERFORMANCE.md "Narrow rows"). ``EXACT_N``: N is ``TILE_N``
     (``_rstd_of_rows``)."""
     sdt = residual.dtype
-    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, sdt)
-    wt_tail = wt
-    if TAIL_N:
-        wt_tail = _effective_weight(w, TILE_N // TAIL_N, offset, TAIL_N, HAS_W, CAST, sdt)
+    wt, wt_tail = _effective_weights(w, offset, TILE_N, TAIL_N, HAS_W, CAST, sdt)
     consts = (TILE_M, TILE_N, TAIL_N, CAST, ADD, EXACT_N)
     if WALK:
         for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):

@@ -23,7 +23,7 @@ from .common import (
     _F32,
     _ZERO,
     CAST_GEMMA,
-    _effective_weight,
+    _effective_weights,
     _load_f32,
     _normalize,
     _rstd_of_rows,
@@ -58,15 +58,6 @@ def _load_head_rows(x, a, g, h, col, TILE_G, TILE_H, TILE_N):
 
 def _store_head_rows(y, a, g, h, col, tile, TILE_G, TILE_H, TILE_N):
     ct.store(y, (a, g, h, col), ct.reshape(tile, (1, TILE_G, TILE_H, TILE_N)), allow_tma=False, latency=3)
-
-
-def _head_weights(w, offset, TILE_N, TAIL_N, HAS_W, CAST, dtype):
-    """``offset + w`` as the head's tile and its tail tile (the head tile again without a tail)."""
-    wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, dtype)
-    wt_tail = wt
-    if TAIL_N:
-        wt_tail = _effective_weight(w, TILE_N // TAIL_N, offset, TAIL_N, HAS_W, CAST, dtype)
-    return wt, wt_tail
 
 
 def _qk_fwd_tile(x, wt, wt_tail, y, rstd, t, eps, TILE_G, TILE_H, TILE_N, TAIL_N, CAST, EXACT_D):
@@ -113,8 +104,8 @@ def qk_rms_norm_fwd(
     (``TILE_N >= D``, or ``TILE_N + TAIL_N == D``; ``EXACT_D``: ``TILE_N == D``), storing rstd of every row.
     ``WALK``: the persistent walk; otherwise one tile per block, without the loops (a grid of q's tiles, then k's:
     no ring of load stages, as the plain forward's ``"tiles"``)."""
-    wtq, wtq_tail = _head_weights(wq, offset, TILE_N, TAIL_N, HAS_WQ, CAST, q.dtype)
-    wtk, wtk_tail = _head_weights(wk, offset, TILE_N, TAIL_N, HAS_WK, CAST, k.dtype)
+    wtq, wtq_tail = _effective_weights(wq, offset, TILE_N, TAIL_N, HAS_WQ, CAST, q.dtype)
+    wtk, wtk_tail = _effective_weights(wk, offset, TILE_N, TAIL_N, HAS_WK, CAST, k.dtype)
     cq = (TILE_GQ, TILE_HQ, TILE_N, TAIL_N, CAST, EXACT_D)
     ck = (TILE_GK, TILE_HK, TILE_N, TAIL_N, CAST, EXACT_D)
     num_q_tiles = _qk_num_tiles(q, TILE_GQ, TILE_HQ)
@@ -194,8 +185,8 @@ def qk_rms_norm_bwd(
     """dq and dk over the same tile walk as the forward; each block keeps its dw shares of both weights
     in fp32 registers and writes them to ``dw_partial[bid, 0]`` (q) and ``dw_partial[bid, 1]`` (k), a
     ``(grid, 2, D)`` buffer that ``rms_norm_dw_reduce`` sums in a fixed order (deterministic)."""
-    wtq, wtq_tail = _head_weights(wq, offset, TILE_N, TAIL_N, HAS_WQ, CAST_GEMMA, q.dtype)
-    wtk, wtk_tail = _head_weights(wk, offset, TILE_N, TAIL_N, HAS_WK, CAST_GEMMA, k.dtype)
+    wtq, wtq_tail = _effective_weights(wq, offset, TILE_N, TAIL_N, HAS_WQ, CAST_GEMMA, q.dtype)
+    wtk, wtk_tail = _effective_weights(wk, offset, TILE_N, TAIL_N, HAS_WK, CAST_GEMMA, k.dtype)
     acc_q = ct.zeros((1, TILE_N), dtype=_F32)
     acc_k = ct.zeros((1, TILE_N), dtype=_F32)
     acc_q_tail, acc_k_tail = acc_q, acc_k  # without a tail: carried along, never stored
