@@ -371,9 +371,8 @@ def _reference_runs(doc: dict, op: str, dt: str, key: str) -> list[dict]:
 def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dict:
     """A measured sweep ``run`` whose winner yields to ``incumbent`` (what the base launches at that M bucket)
     when the sweep timed the incumbent too and its winner beats it by less than ``min_gain`` (by :func:`scores`):
-    as the sweep's
-    own rule keeps the analytic choice (:func:`select_winner`), so a re-timed table keeps its choices within
-    the noise. A qk run is timed by halves: each half (forward, backward) yields on its own."""
+    as the sweep's own rule keeps the analytic choice (:func:`select_winner`), so a re-timed table keeps its
+    choices within the noise. A qk run is timed by halves: each half (forward, backward) yields on its own."""
     if run["winner"] == incumbent:
         return run
     gbps = scores(run)
