@@ -4,8 +4,6 @@ The forward's decisions are tested through the host (``tilegym_rms.cutile``), wh
 heuristic M's power-of-two bucket, not M: the kernel an M gets is the one its bucket gets.
 """
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -311,7 +309,8 @@ def test_split_row_is_exact_for_common_widths_and_never_wider_than_padding():
 def test_qk_config_invariants(d, m_k):
     m_q = 4 * m_k  # GQA
     c = config.qk_config((1, 1, m_q), (1, 1, m_k), d, BF16, SMS)
-    assert c.tile_n == config.next_pow2(d) >= d
+    tile_n = config.next_pow2(d)  # tiles are sized by the padded head, also where it is held as head + tail
+    assert c.fwd_head == (tile_n, 0) and sum(c.bwd_head) in (tile_n, d)
     for tile_m, grid, elems, blocks in (
         (c.fwd_tile_m, c.fwd_grid, config.HEURISTICS.qk_fwd_tile_elems, config.HEURISTICS.qk_fwd_blocks_per_sm),
         (c.bwd_tile_m, c.bwd_grid, config.HEURISTICS.qk_bwd_tile_elems, config.HEURISTICS.qk_bwd_blocks_per_sm),
@@ -319,7 +318,7 @@ def test_qk_config_invariants(d, m_k):
         assert (
             tile_m & (tile_m - 1) == 0 and config.HEURISTICS.qk_min_tile_m <= tile_m <= config.HEURISTICS.qk_max_tile_m
         )
-        assert tile_m * c.tile_n <= max(elems, config.HEURISTICS.qk_min_tile_m * c.tile_n)
+        assert tile_m * tile_n <= max(elems, config.HEURISTICS.qk_min_tile_m * tile_n)
         tiles = config.cdiv(m_q, tile_m) + config.cdiv(m_k, tile_m)
         assert 1 <= grid <= min(tiles, SMS * blocks)  # never an idle block, never more than the SMs hold
     assert dict(c.fwd_hints) == {"occupancy": config.HEURISTICS.qk_fwd_occupancy}
@@ -340,7 +339,7 @@ def test_qk_tiles_are_large_at_many_rows_and_shrink_to_fill_the_sms_at_few():
 def test_qk_tiles_depend_on_the_rows_bucket_only():
     a = config.qk_config((1, 1, 40000), (1, 1, 10000), 128, BF16, SMS)
     b = config.qk_config((1, 1, 50000), (1, 1, 12000), 128, BF16, SMS)
-    assert (a.fwd_tile_m, a.bwd_tile_m, a.tile_n) == (b.fwd_tile_m, b.bwd_tile_m, b.tile_n)
+    assert (a.fwd_tile_m, a.bwd_tile_m, a.fwd_head, a.bwd_head) == (b.fwd_tile_m, b.bwd_tile_m, b.fwd_head, b.bwd_head)
 
 
 @pytest.mark.parametrize(
@@ -348,14 +347,18 @@ def test_qk_tiles_depend_on_the_rows_bucket_only():
     [(80, (64, 16)), (96, (64, 32)), (192, (128, 64)), (72, (128, 0)), (112, (128, 0)), (128, (128, 0)), (64, (64, 0))],
 )
 def test_qk_head_tiles_hold_a_head_as_a_tile_and_a_tail(d, split):
-    """With qk_min_tail_n a head of a power of two plus a smaller one of at least that many columns is held as those
-    two tiles (72 = 64 + 8 has too short a tail, 112 = 64 + 48 a tail that is not a power of two: both padded);
-    without it every head is one padded tile, and the config carries the split to the kernels."""
-    with config.override(qk_min_tail_n=16):
-        assert config.qk_head_tiles(d) == split
+    """A head of a power of two plus a smaller one of at least the minimum tail is held as those two tiles (72 = 64
+    + 8 has too short a tail, 112 = 64 + 48 a tail that is not a power of two: both padded); with no minimum
+    every head is one padded tile. The config carries each pass's split to its kernel: by default the backward's
+    head and tail, the forward's one padded tile."""
+    padded = (config.next_pow2(d), 0)
+    assert config.qk_head_tiles(d, 16) == split
+    assert config.qk_head_tiles(d, 0) == padded
+    c = config.qk_config((1, 1, 4 * 4096), (1, 1, 4096), d, BF16, SMS)
+    assert (c.fwd_head, c.bwd_head) == (padded, split)
+    with config.override(qk_fwd_min_tail_n=16, qk_bwd_min_tail_n=0):
         c = config.qk_config((1, 1, 4 * 4096), (1, 1, 4096), d, BF16, SMS)
-        assert (c.tile_n, c.tail_n) == split
-    assert config.qk_head_tiles(d, replace(config.HEURISTICS, qk_min_tail_n=0)) == (config.next_pow2(d), 0)
+        assert (c.fwd_head, c.bwd_head) == (split, padded)
 
 
 def test_qk_config_rejects_head_dims_wider_than_one_tile():
@@ -363,8 +366,8 @@ def test_qk_config_rejects_head_dims_wider_than_one_tile():
         config.qk_config((1, 1, 64), (1, 1, 64), 2048, BF16, SMS)
 
 
-# The analytic heuristics' qk_config, pinned (132 SMs): (m_q, m_k, D) -> QKConfig fields, which a table-less
-# launch must keep.
+# The analytic heuristics' qk_config, pinned (132 SMs): (m_q, m_k, D) -> the forward's head tile, tile rows,
+# grids and hints, which a table-less launch must keep.
 QK_BEFORE_THE_TABLE = {
     (3276, 819, 128): (128, 16, 16, 257, 257, (("occupancy", 2),), (("occupancy", 2),)),
     (16384, 4096, 64): (64, 128, 128, 160, 160, (("occupancy", 2),), (("occupancy", 2),)),
@@ -378,7 +381,8 @@ def test_qk_config_without_a_table_entry_is_the_heuristics_of_before(shape):
     m_q, m_k, d = shape
     dense = (1, 1, m_q), (1, 1, m_k)  # the dense layouts keep the one-run tiles of before
     got = config.qk_config(*dense, d, BF16, SMS)
-    assert tuple(got.__dict__.values())[:7] == QK_BEFORE_THE_TABLE[shape]
+    fields = (got.fwd_head[0], got.fwd_tile_m, got.bwd_tile_m, got.fwd_grid, got.bwd_grid, got.fwd_hints, got.bwd_hints)
+    assert fields == QK_BEFORE_THE_TABLE[shape]
     assert config.qk_config(*dense, d, BF16, SMS, config.qk_candidate(m_q + m_k, d, BF16, SMS)) == got
 
 
@@ -419,7 +423,7 @@ def test_qk_config_follows_a_table_entry():
     entry = config.QKCandidate(fwd_tile_m=64, bwd_tile_m=8, fwd_blocks_per_sm=1, bwd_blocks_per_sm=4, fwd_occupancy=0,
                                bwd_occupancy=3)  # fmt: skip
     c = config.qk_config((1, 1, 838860), (1, 1, 209715), 256, BF16, SMS, entry)
-    assert (c.tile_n, c.fwd_tile_m, c.bwd_tile_m, c.fwd_grid, c.bwd_grid) == (256, 64, 8, SMS, 4 * SMS)
+    assert (c.fwd_head, c.fwd_tile_m, c.bwd_tile_m, c.fwd_grid, c.bwd_grid) == ((256, 0), 64, 8, SMS, 4 * SMS)
     assert c.fwd_hints == () and c.bwd_hints == (("occupancy", 3),)
     few = config.qk_config((1, 1, 48), (1, 1, 12), 96, BF16, SMS, entry)  # never more blocks than row tiles
     assert (few.fwd_grid, few.bwd_grid) == (1 + 1, 6 + 2)

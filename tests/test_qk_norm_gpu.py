@@ -129,9 +129,10 @@ def test_qk_forward_of_one_tile_per_block(d, layout):
 @pytest.mark.parametrize("d,tail", [(80, 16), (96, 32), (192, 64)])
 @pytest.mark.parametrize("tokens", [999, 8192])  # partial tiles along G and H; many tiles per block
 def test_qk_head_as_a_tile_and_a_tail(monkeypatch, tokens, d, tail, dtype, layout):
-    """qk_min_tail_n: a head of 80, 96 or 192 columns held as a power-of-two tile and a tail tile (no padded
-    columns), as both kernels are launched; values and gradients against float64 in every layout, the gradient as
-    a transposing consumer hands it back, both weights' dw through the partial buffer's head and tail columns."""
+    """A head of 80, 96 or 192 columns held as a power-of-two tile and a tail tile (no padded columns) by both
+    kernels (qk_fwd_min_tail_n, qk_bwd_min_tail_n), as they are launched; values and gradients against float64 in
+    every layout, the gradient as a transposing consumer hands it back, both weights' dw through the partial
+    buffer's head and tail columns."""
     import tilegym_rms.cutile as cutile
     from tilegym_rms.cutile import config
     from tilegym_rms.cutile.host import common
@@ -148,7 +149,7 @@ def test_qk_head_as_a_tile_and_a_tail(monkeypatch, tokens, d, tail, dtype, layou
     q, k = _layout(layout, 1, tokens, d, dtype, 28, 4)
     cutile.clear_caches()
     try:
-        with config.override(qk_min_tail_n=16):
+        with config.override(qk_fwd_min_tail_n=16, qk_bwd_min_tail_n=16):
             _check(q, k, grad="transposed_back")
     finally:
         cutile.clear_caches()

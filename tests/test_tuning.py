@@ -738,7 +738,7 @@ def test_the_hosts_qk_config_follows_the_qk_entry_and_is_the_heuristics_without_
         assert (c.fwd_tile_m, c.bwd_tile_m) == (shipped.fwd_tile_m, shipped.bwd_tile_m)
     with tuning.use_table(doc):
         c = host.qk.cached_config(0, (1, 1, m_q), (1, 1, m_k), d, BF16)
-        assert (c.tile_n, c.fwd_tile_m, c.bwd_tile_m) == (64, 512, 8)
+        assert (c.fwd_head, c.fwd_tile_m, c.bwd_tile_m) == ((64, 0), 512, 8)
         assert (c.fwd_grid, c.bwd_grid) == (32 + 8, SMS)  # 3 blocks per SM, capped by the row tiles of 512
         assert (c.fwd_hints, c.bwd_hints) == ((), (("occupancy", 4),))
         assert host.qk.cached_config(0, (1, 1, m_q), (1, 1, m_k), 128, BF16) == config.qk_config(

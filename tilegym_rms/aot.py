@@ -361,8 +361,9 @@ def qk_variants() -> list[Variant]:
     with config.override(qk_fwd_blocks_per_sm=0, qk_fwd_tile_elems=4096, qk_fwd_occupancy=8):
         for d in QK_REPRESENTATIVE_D:
             found.update(dict.fromkeys(qk_variants_for(REPRESENTATIVE_M[-1], d, torch.bfloat16, every_path=False)))
-    # Heads held as a tile and a tail (qk_min_tail_n): 80 and 96 columns, dense and a fused qkv slice.
-    with config.override(qk_min_tail_n=16):
+    # Heads held as a tile and a tail by the forward too (qk_fwd_min_tail_n; the backward by default): 80 and 96
+    # columns, dense and a fused qkv slice.
+    with config.override(qk_fwd_min_tail_n=16):
         for d in QK_TAIL_D:
             for layout, heads in (("dense", (QK_HEADS_RATIO, 1)), ("qkv_slice", QK_HEADS[0])):
                 more = qk_variants_for(REPRESENTATIVE_M[-1], d, torch.bfloat16, False, layout=layout, heads=heads)

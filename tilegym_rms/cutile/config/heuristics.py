@@ -155,9 +155,12 @@ class Heuristics:
     # next_pow2(D)) and a tile holds many rows. Widest head dim the one-tile qk kernels serve.
     qk_max_tile_n: int = 1024
     # A head dim that is not a power of two, D = TILE_N + TAIL_N with both powers of two and TAIL_N at least
-    # qk_min_tail_n (80 = 64 + 16, 96 = 64 + 32), is held as a head tile and a tail tile, as the plain kernels'
-    # rows, instead of one tile padded to next_pow2(D); 0 pads every head (PERFORMANCE.md, "QK-norm").
-    qk_min_tail_n: int = 0
+    # this (80 = 64 + 16, 96 = 64 + 32), is held as a head tile and a tail tile, as the plain kernels' rows,
+    # instead of one tile padded to next_pow2(D); 0 pads every head. The backward gains (its padded tile
+    # spilled: +5-25% on an H200 at 2^19 rows of 80 and 96, bf16), the forward loses 2-9% (PERFORMANCE.md,
+    # "QK-norm", head dims that are not a power of two).
+    qk_fwd_min_tail_n: int = 0
+    qk_bwd_min_tail_n: int = 16
     # Elements per tile, forward and backward: the plain norm's narrow-row sizes, whose best tiles carried
     # 16384 (forward) and 8192 (backward: x and dy live) elements (PERFORMANCE.md, "Forward" and "Backward").
     qk_fwd_tile_elems: int = 16384

@@ -17,7 +17,8 @@ QKTiles = tuple[tuple[int, int], tuple[int, int]]  # ((TILE_G, TILE_H) of q, of 
 
 @dataclass(frozen=True)
 class QKConfig:
-    tile_n: int  # TILE_N >= D, one tile per row; or with tail_n, TILE_N + TAIL_N == D
+    fwd_head: tuple[int, int]  # (TILE_N, TAIL_N) of a head, forward (qk_head_tiles)
+    bwd_head: tuple[int, int]
     fwd_tile_m: int  # rows per tile (TILE_G x TILE_H), forward
     bwd_tile_m: int
     fwd_grid: int
@@ -27,16 +28,14 @@ class QKConfig:
     fwd_tiles: QKTiles = ((1, 1), (1, 1))  # the rows of a tile split along G and H, forward
     bwd_tiles: QKTiles = ((1, 1), (1, 1))
     fwd_walk: bool = True  # False: one forward tile per block (fwd_blocks_per_sm 0), the grid every tile
-    tail_n: int = 0  # a tail tile of the head's last TAIL_N columns (qk_head_tiles)
 
 
-def qk_head_tiles(d: int, params: Heuristics | None = None) -> tuple[int, int]:
+def qk_head_tiles(d: int, min_tail_n: int) -> tuple[int, int]:
     """``(TILE_N, TAIL_N)`` of a head of ``d`` columns: ``(next_pow2(d), 0)``, or where ``d`` is a power of two
-    plus a smaller one of at least ``qk_min_tail_n`` columns, those two (80: 64 + 16)."""
-    p = params or current()
+    plus a smaller one of at least ``min_tail_n`` columns (0: never), those two (80: 64 + 16)."""
     tile_n = prev_pow2(d)
     tail_n = d - tile_n
-    if p.qk_min_tail_n and tail_n >= p.qk_min_tail_n and tail_n == next_pow2(tail_n):
+    if min_tail_n and tail_n >= min_tail_n and tail_n == next_pow2(tail_n):
         return tile_n, tail_n
     return next_pow2(d), 0
 
@@ -113,7 +112,6 @@ def qk_config(
     bucket), each tile's rows split along G and H per tensor (:func:`qk_tile_split`). The grid follows the real
     tile counts."""
     p = current()
-    tile_n, tail_n = qk_head_tiles(d, p)
     if next_pow2(d) > p.qk_max_tile_n:
         raise ValueError(f"qk_rms_norm's cuTile kernels take head dims of at most {p.qk_max_tile_n}, got {d}")
     c = entry or qk_candidate(math.prod(q_shape) + math.prod(k_shape), d, dtype, num_sms)
@@ -130,7 +128,8 @@ def qk_config(
     fwd_tiles, bwd_tiles = tiles(c.fwd_tile_m), tiles(c.bwd_tile_m)
     fwd_walk = c.fwd_blocks_per_sm > 0
     return QKConfig(
-        tile_n,
+        qk_head_tiles(d, p.qk_fwd_min_tail_n),
+        qk_head_tiles(d, p.qk_bwd_min_tail_n),
         c.fwd_tile_m,
         c.bwd_tile_m,
         grid(fwd_tiles, c.fwd_blocks_per_sm),
@@ -140,5 +139,4 @@ def qk_config(
         fwd_tiles,
         bwd_tiles,
         fwd_walk,
-        tail_n,
     )

@@ -34,8 +34,8 @@ def _tile_constants(tiles: config.QKTiles) -> tuple[int, int, int, int]:
 
 def forward_launch(tgt: Target, q_shape, k_shape, d, dtype, casting_mode, has_wq, has_wk) -> Launch:
     cfg = config_for(tgt, q_shape, k_shape, d, dtype)
-    exact_d = cfg.tile_n == d  # the mean's divisor known at compile time (a power of two)
-    constants = (*_tile_constants(cfg.fwd_tiles), cfg.tile_n, cfg.tail_n, CASTING_CODES[casting_mode], has_wq,
+    exact_d = cfg.fwd_head[0] == d  # the mean's divisor known at compile time (a power of two)
+    constants = (*_tile_constants(cfg.fwd_tiles), *cfg.fwd_head, CASTING_CODES[casting_mode], has_wq,
                  has_wk, exact_d, cfg.fwd_walk)  # fmt: skip
     return make_launch(common.kernels().qk_rms_norm_fwd, (cfg.fwd_grid,), constants, cfg.fwd_hints)
 
@@ -54,7 +54,7 @@ class QKBackwardLaunches:
 
 def backward_launches(tgt: Target, q_shape, k_shape, d, dtype, has_wq, has_wk, one_reduction) -> QKBackwardLaunches:
     cfg = config_for(tgt, q_shape, k_shape, d, dtype)
-    constants = (*_tile_constants(cfg.bwd_tiles), cfg.tile_n, cfg.tail_n, has_wq, has_wk)
+    constants = (*_tile_constants(cfg.bwd_tiles), *cfg.bwd_head, has_wq, has_wk)
     main = make_launch(common.kernels().qk_rms_norm_bwd, (cfg.bwd_grid,), constants, cfg.bwd_hints)
     if not (has_wq or has_wk):
         return QKBackwardLaunches(main, (1, 1, 1), None, False)
