@@ -421,12 +421,15 @@ def test_a_card_of_a_measured_class_gets_a_key_of_its_own(card):
 
 
 def test_a_card_without_its_own_table_runs_its_classs(card, monkeypatch):
-    card("NVIDIA H200")
-    assert tuning.table_for(0) is tuning.packaged("sm90_132sm")  # no H200 table ships yet
+    card("NVIDIA GH200 480GB")  # an H100 SXM's capability and SM count, no table of its own
+    assert tuning.table_for(0) is tuning.packaged("sm90_132sm")
     own = tuning.load(one_entry("forward", "bf16", 4224, config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)))
     shipped = tuning.packaged
-    monkeypatch.setattr(tuning, "packaged", lambda key: own if key == "sm90_132sm.nvidia-h200" else shipped(key))
+    monkeypatch.setattr(tuning, "packaged", lambda key: own if key == "sm90_132sm.nvidia-gh200-480gb" else shipped(key))
     assert tuning.table_for(0) is own
+    monkeypatch.setattr(tuning, "packaged", shipped)
+    card("NVIDIA H200")  # a card whose own table ships
+    assert tuning.table_for(0) is shipped("sm90_132sm.nvidia-h200") is not None
     card(H100)
     assert tuning.table_for(0) is shipped("sm90_132sm")
     card("NVIDIA B200", (10, 0), 148)
