@@ -10,12 +10,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args, env=None, path_first=None):
-    """``env``: variables to set; ``path_first``: a directory ahead of the repository on PYTHONPATH."""
+def run_cli(*args, env=None, path_first=None, gpu=False):
+    """``env``: variables to set; ``path_first``: a directory ahead of the repository on PYTHONPATH; ``gpu``:
+    keep the GPUs visible (else check runs on the CPU, cheap, also on a GPU host)."""
     # A clean environment for backend selection: a pytest process may have set TRITON_INTERPRET.
     full = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TILEGYM_RMS_BACKEND")}
     full["PYTHONPATH"] = os.pathsep.join(p for p in (path_first, str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    full["CUDA_VISIBLE_DEVICES"] = ""  # check runs on the CPU (cheap), also on a GPU host
+    if not gpu:
+        full["CUDA_VISIBLE_DEVICES"] = ""
     return subprocess.run(
         [sys.executable, "-m", "tilegym_rms", *args],
         capture_output=True,
@@ -193,3 +195,19 @@ def test_check_still_fails_a_wrong_dx(monkeypatch, capsys, n):
     monkeypatch.setattr(cli, "rms_norm_backward", off)
     assert not cli._check_one("torch", torch.device("cpu"), torch.float32, 64, n)
     assert capsys.readouterr().out.rstrip().endswith("-> FAIL")
+
+
+@pytest.mark.gpu
+def test_check_on_a_gpu_names_the_tuning_table_it_runs():
+    """On a GPU the main job runs the cuTile backend and says which tuning table tunes it, and where that
+    table was measured (the shipped one of this card or its class, else the heuristics)."""
+    import torch
+
+    from tilegym_rms.cutile import tuning
+
+    with tuning.use_table("packaged"):
+        expected = tuning.describe(torch.cuda.current_device())
+    out = run_cli(env={"TILEGYM_RMS_TUNING": "packaged"}, gpu=True)
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert f"  tuning table: {expected}\n" in out.stdout
+    assert out.stdout.count("-> ok") == 2  # fp32 and bf16 against float64

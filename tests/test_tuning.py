@@ -420,6 +420,27 @@ def test_a_card_of_a_measured_class_gets_a_key_of_its_own(card):
     assert tuning.device_key(0) == "sm100_148sm"
 
 
+def test_describe_names_the_table_and_the_cards_it_was_measured_on(card, tmp_path):
+    """The line ``tilegym-rms`` prints for the cuTile backend: which table tunes the launches and where its
+    entries were measured, or why the heuristics do."""
+    card(H100)
+    assert tuning.describe(0) == f"sm90_132sm (shipped; measured on {H100})"
+    card("NVIDIA H200")
+    assert tuning.describe(0) == (
+        f"sm90_132sm.nvidia-h200 (shipped; measured on NVIDIA H200, entries not measured there from {H100})"
+    )
+    card("NVIDIA GH200 480GB")
+    assert tuning.describe(0) == f"sm90_132sm (shipped; measured on {H100})"
+    card("NVIDIA B200", (10, 0), 148)
+    assert tuning.describe(0) == "none for sm100_148sm: the analytic heuristics"
+    path = tmp_path / "analytic.json"
+    build.write(build.analytic_doc("sm100_148sm", "NVIDIA B200", (10, 0), 148, "test"), path)
+    with tuning.use_table(str(path)):
+        assert tuning.describe(0) == "sm100_148sm (set by the user; the analytic heuristics written out)"
+    with tuning.use_table("off"):
+        assert tuning.describe(0) == "off: the analytic heuristics"
+
+
 def test_a_card_without_its_own_table_runs_its_classs(card, monkeypatch):
     card("NVIDIA GH200 480GB")  # an H100 SXM's capability and SM count, no table of its own
     assert tuning.table_for(0) is tuning.packaged("sm90_132sm")

@@ -1,7 +1,8 @@
 """``tilegym-rms`` (also ``python -m tilegym_rms``).
 
-Default command (``check``): report which backends can run here and why the others cannot, run a
-forward and backward on the best backend against float64, and on a GPU time it against torch.
+Default command (``check``): report which backends can run here and why the others cannot (and, for
+cuTile, which tuning table tunes it), run a forward and backward on the best backend against float64, and
+on a GPU time it against torch.
 Subcommands: ``aot`` (compile check), ``bench`` and ``bench-backward`` (the scripts in ``bench/``).
 The command may stand anywhere; ``--m``/``--n`` are options of ``check``, and every flag after another
 command passes through to it. Bad arguments exit with status 2 and one line on stderr, as does a
@@ -109,6 +110,10 @@ def check(m: int = 4096, n: int = 4096) -> int:
     except (ValueError, RuntimeError) as exc:  # TILEGYM_RMS_BACKEND names a backend that cannot run here
         print(f"tilegym-rms: error: {exc}", file=sys.stderr)
         return 2
+    if backend == "cutile":
+        from .cutile import tuning
+
+        print(f"  tuning table: {tuning.describe(device.index or 0)}")
     dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
     failed = [not _check_one(backend, device, dtype, m, n) for dtype in dtypes]
     return 1 if any(failed) else 0

@@ -379,6 +379,25 @@ def table_for(device_index: int) -> Table | None:
     return choice
 
 
+def describe(device_index: int) -> str:
+    """One line on what tunes the cuTile launches on a device: the table's key and the card its entries were
+    measured on (a card's table: also the card its class's entries come from), or why it is the heuristics."""
+    choice = _current()
+    if choice == "off":
+        return "off: the analytic heuristics"
+    table = table_for(device_index)
+    if table is None:
+        return f"none for {device_key(device_index)}: the analytic heuristics"
+    doc = table.doc
+    if doc.get("source") == "analytic":
+        where = "the analytic heuristics written out"
+    else:
+        where = f"measured on {doc['device'].get('name') or 'an unnamed card'}"
+        if doc.get("based_on"):
+            where += f", entries not measured there from {doc['based_on'].get('name') or doc['based_on']['key']}"
+    return f"{table.key} ({'shipped' if choice == _PACKAGED else 'set by the user'}; {where})"
+
+
 class use_table:  # noqa: N801 - used like a function, as torch.set_grad_enabled is
     """Sets the tuning table: a path, a dict, a :class:`Table`, ``None`` or ``"off"`` (analytic heuristics)
     or ``"packaged"`` (each device's shipped table, ignoring ``TILEGYM_RMS_TUNING``). Takes effect at once
