@@ -888,21 +888,12 @@ def test_the_sweep_estimates_the_new_ops_points_and_timings(tune_table):
     assert spanned["qk"]["timings"] == got["qk"]["timings"]
 
 
-@pytest.mark.parametrize("span", [False, True])
-def test_a_point_is_timed_at_its_span_and_won_over_both(tune_table, monkeypatch, span):
-    """time_point with fake timings (no GPU): every candidate and the table's incumbent timed at the bucket
-    point, and with ``span`` at ``build.span_rows`` rows too, through the table of that candidate alone; the
-    winner is the best at the point alone, or over both points with the span."""
+def fake_sweep(monkeypatch, tune_table, n_b, time_us, errors=None):
+    """tune_table.time_point without a GPU: each candidate's table installed records its label, timed as
+    ``time_us(label, rows)`` µs; ``errors(label)`` (None: every candidate correct) its value check's errors."""
     from contextlib import contextmanager
     from types import SimpleNamespace
 
-    m_b, n_b = 8192, 5120
-    cands = build.candidates("forward", m_b, n_b, BF16, SMS)
-    labels = [build.label("forward", c) for c in cands]
-    at_point, inside = labels[1], labels[2]  # the point's best; the best over the bucket's rows
-    us = {(lab, m): 100.0 for lab in labels for m in (m_b, build.span_rows(m_b))}
-    us[(at_point, m_b)], us[(at_point, build.span_rows(m_b))] = 90.0, 130.0
-    us[(inside, m_b)], us[(inside, build.span_rows(m_b))] = 95.0, 92.0
     current = {}
 
     @contextmanager
@@ -919,9 +910,26 @@ def test_a_point_is_timed_at_its_span_and_won_over_both(tune_table, monkeypatch,
     monkeypatch.setattr(tune_table, "_inputs", lambda op, m, n, dtype, device: ([m], {"": (m * n * 4, op)}))
     monkeypatch.setattr(tune_table, "_call", lambda cutile, kind, w: None)
     monkeypatch.setattr(
-        tune_table.tune_cutile, "_time_us", lambda timer, call, sets, reps: us.get((current["label"], sets[0]), 100.0)
+        tune_table.tune_cutile, "_time_us", lambda timer, call, sets, reps: time_us(current["label"], sets[0])
     )
     monkeypatch.setattr(tune_table.torch, "randn", lambda *a, **k: None)
+    check = errors or (lambda label: {"y": 1e-3, "rstd": 1e-6})
+    monkeypatch.setattr(tune_table.candidate_check, "errors", lambda *a, **k: check(current["label"]))
+
+
+@pytest.mark.parametrize("span", [False, True])
+def test_a_point_is_timed_at_its_span_and_won_over_both(tune_table, monkeypatch, span):
+    """time_point with fake timings (no GPU): every candidate and the table's incumbent timed at the bucket
+    point, and with ``span`` at ``build.span_rows`` rows too, through the table of that candidate alone; the
+    winner is the best at the point alone, or over both points with the span."""
+    m_b, n_b = 8192, 5120
+    cands = build.candidates("forward", m_b, n_b, BF16, SMS)
+    labels = [build.label("forward", c) for c in cands]
+    at_point, inside = labels[1], labels[2]  # the point's best; the best over the bucket's rows
+    us = {(lab, m): 100.0 for lab in labels for m in (m_b, build.span_rows(m_b))}
+    us[(at_point, m_b)], us[(at_point, build.span_rows(m_b))] = 90.0, 130.0
+    us[(inside, m_b)], us[(inside, build.span_rows(m_b))] = 95.0, 92.0
+    fake_sweep(monkeypatch, tune_table, n_b, lambda label, m: us.get((label, m), 100.0))
     incumbent = config.ForwardCandidate("persistent", 2, 8192, 0, 8, 0, 0)  # the table's, not a candidate
     assert build.label("forward", incumbent) not in labels
     labels.append(build.label("forward", incumbent))
@@ -935,6 +943,26 @@ def test_a_point_is_timed_at_its_span_and_won_over_both(tune_table, monkeypatch,
     else:
         assert "span" not in run
     assert build.label("forward", tuning.parse_winner("forward", run["winner"], "t")) == (inside if span else at_point)
+
+
+def test_a_sweep_times_no_candidate_whose_values_are_wrong(tune_table, monkeypatch):
+    """The fastest candidate computes wrong values (bench/tools/candidate_check.py): it is not timed, cannot
+    win, and the run records its errors; without the check it would have won."""
+    m_b, n_b = 8192, 5120
+    labels = [build.label("forward", c) for c in build.candidates("forward", m_b, n_b, BF16, SMS)]
+    fast_and_wrong, next_best = labels[1], labels[2]
+    us = {fast_and_wrong: 80.0, next_best: 90.0}
+    errors = {fast_and_wrong: {"y": 0.5, "rstd": 1e-6}}
+    fake_sweep(monkeypatch, tune_table, n_b, lambda label, m: us.get(label, 100.0),
+               lambda label: errors.get(label, {"y": 1e-3, "rstd": 1e-6}))  # fmt: skip
+    point = (None, None, "cpu", "sm90_132sm", "forward", BF16, n_b, m_b, 1, 0.01)
+    run = tune_table.time_point(*point)
+    assert set(run["gbps"]) == set(labels) - {fast_and_wrong}
+    assert run["failed"] == {fast_and_wrong: {"y": 0.5}}
+    assert build.label("forward", tuning.parse_winner("forward", run["winner"], "t")) == next_best
+    unchecked = tune_table.time_point(*point, check=False)
+    assert "failed" not in unchecked
+    assert build.label("forward", tuning.parse_winner("forward", unchecked["winner"], "t")) == fast_and_wrong
 
 
 def test_the_qk_winner_takes_the_best_half_each_way_on_fake_timings(tune_table):

@@ -1,15 +1,16 @@
 """Write a cuTile tuning table (``tilegym_rms/cutile/tuning/<key>.json``): time candidates per bucket on a GPU.
 
-For each (op, dtype, N bucket, M bucket) the sweep times the candidates of ``build.candidates`` (the
-analytic choice first, then a few neighbours of each kernel or strategy) through the product's own host path,
-each installed as a one-entry table (``tuning.use_table``), with the benchmarks' method: the sum of the
-op's kernels' device time (torch.profiler) over inputs rotating through more than 4x the L2 cache. The
-winner is the fastest unless it beats the analytic choice by less than ``--min-gain``; every candidate's
-GB/s is kept in the run of ``--out``, so that table documents itself. ``--slim`` also writes the table the
-package ships from it (``build.slim``: each run's winner and the winner's own GB/s), whose lookups are the
-same; the full one goes with the card's results (``bench/results/<gpu>/sweeps/table_<key>_candidates.json``).
-The files are rewritten after each (op, dtype, N), so an interrupted sweep resumes with ``--merge`` on its
-``--out``: points already measured are skipped.
+For each (op, dtype, N bucket, M bucket) the sweep times the candidates of ``build.candidates`` (the analytic
+choice first, then a few neighbours of each kernel or strategy) through the product's own host path, each
+installed as a one-entry table (``tuning.use_table``), with the benchmarks' method: the sum of the op's kernels'
+device time (torch.profiler) over inputs rotating through more than 4x the L2 cache, each first checked against
+float64 on a few rows (``bench.tools.candidate_check``: a candidate with wrong values is not timed, and its run's
+``"failed"`` says why; ``--no-check`` skips it). The winner is the fastest unless it beats the analytic choice by
+less than ``--min-gain``; every candidate's GB/s is kept in the run of ``--out``, so that table documents itself.
+``--slim`` also writes the table the package ships from it (``build.slim``: each run's winner and the winner's own
+GB/s), whose lookups are the same; the full one goes with the card's results
+(``bench/results/<gpu>/sweeps/table_<key>_candidates.json``). The files are rewritten after each (op, dtype, N),
+so an interrupted sweep resumes with ``--merge`` on its ``--out``: points already measured are skipped.
 
     FULL=bench/results/h100/sweeps/table_sm90_132sm_candidates.json SHIP=tilegym_rms/cutile/tuning/sm90_132sm.json
     python -m bench.tools.tune_table --device cuda:0 --out $FULL --slim $SHIP         # the whole sweep
@@ -74,7 +75,7 @@ from dataclasses import asdict, replace
 import torch
 
 from bench.common import base, timing, traffic
-from bench.tools import tune_cutile
+from bench.tools import candidate_check, tune_cutile
 from tilegym_rms.cutile import config, tuning
 from tilegym_rms.cutile.tuning import build
 from tilegym_rms.ops import qk as qk_ops
@@ -125,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="backward: time each candidate after the forward the device's table launches, as a training step "
         "runs it; the run's GB/s are then the forward + backward's (PERFORMANCE.md, 'In the training step')",
+    )
+    parser.add_argument(
+        "--no-check",
+        action="store_true",
+        help="time candidates without first checking their values against float64 (bench.tools.candidate_check)",
     )
     parser.add_argument("--estimate", action="store_true", help="print the counts and the time estimate; no GPU")
     parser.add_argument("--analytic", action="store_true", help="write the analytic heuristics' table; no GPU")
@@ -318,7 +324,9 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
                 point = (cutile, timer, device, key, op, dtype, n_b, m_b, reps, args.min_gain)
                 incumbent = device_table.lookup(op, m_b, n_b, dtype) if device_table is not None else None
                 span = args.span and spans(op, m_b)
-                runs.append(time_point(*point, args.wide, forward_doc, span=span, incumbent=incumbent))
+                runs.append(
+                    time_point(*point, args.wide, forward_doc, span=span, incumbent=incumbent, check=not args.no_check)
+                )
                 timed += len(runs[-1]["gbps"]) + len(runs[-1].get("span", {}).get("gbps", {}))
             if runs:
                 new = build.new_doc(key, name, cc, sms, "measured", command)
@@ -407,19 +415,37 @@ def time_point(
     forward_doc=None,
     span=False,
     incumbent=None,
+    check=True,
 ) -> dict:
     """One run: every candidate at (m_b, n_b) timed through the product's host path (each half of a qk
     candidate once), and ``incumbent`` (the device's table's winner there) where the candidates lack it, so
     that an overlay can weigh the new winner against it; the winner. With ``forward_doc`` (``--after-forward``)
     a backward candidate is timed after the forward of that table, its GB/s those of the pair, and the run
     records ``"timed"``. With ``span`` every candidate is timed at ``build.span_rows(m_b)`` rows too (the run's
-    ``"span"``) and the winner chosen by ``build.scores``."""
+    ``"span"``) and the winner chosen by ``build.scores``. With ``check`` each candidate first computes its op
+    against float64 (:mod:`.candidate_check`); one whose values are wrong is not timed, and the run's
+    ``"failed"`` records its errors."""
     after = op == "backward" and forward_doc is not None
     w = torch.randn(n_b, dtype=dtype, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     cands = build.candidates(op, m_b, n_b, dtype, sms, wide)
     if incumbent is not None and incumbent not in cands:
         cands.append(incumbent)
+    failed = {}
+    if check:  # a candidate whose values are wrong is not timed: a fast wrong launch must not win
+        for cand in cands:
+            with tuning.use_table(candidate_table(key, sms, op, dtype, n_b, cand)):
+                try:
+                    errs = candidate_check.errors(cutile, op, dtype, n_b, w)
+                except Exception:  # noqa: BLE001 - a candidate that fails to compile: the timing reports it
+                    continue
+            bad = candidate_check.beyond_tolerance(errs, tuning.DTYPE_NAMES[dtype])
+            if bad:
+                failed[build.label(op, cand)] = {k: round(v, 6) for k, v in bad.items()}
+                print(f"    {op} {n_b} {build.label(op, cand)}: wrong values {failed[build.label(op, cand)]}")
+        cands = [c for c in cands if build.label(op, c) not in failed]
+        if not cands:
+            raise RuntimeError(f"{op} {tuning.DTYPE_NAMES[dtype]} {m_b}x{n_b}: every candidate computed wrong values")
 
     def time_all(m: int) -> dict[str, float]:
         sets, parts = _inputs(op, m, n_b, dtype, device)
@@ -443,13 +469,16 @@ def time_point(
 
     run = {"m": m_b, "gbps": time_all(m_b)}
     if op == "qk":
-        return {"m": m_b, "winner": asdict(qk_winner(cands, run["gbps"], min_gain)), "gbps": run["gbps"]}
+        run = {"m": m_b, "winner": asdict(qk_winner(cands, run["gbps"], min_gain)), "gbps": run["gbps"]}
+        return {**run, "failed": failed} if failed else run
     if span:
         m_span = build.span_rows(m_b)
         run["span"] = {"m": m_span, "gbps": time_all(m_span)}
     winner = build.select_winner(build.scores(run), build.label(op, cands[0]), min_gain)
     by_label = {build.label(op, c): c for c in cands}
     run = {"m": m_b, "winner": asdict(by_label[winner]), **{k: v for k, v in run.items() if k != "m"}}
+    if failed:
+        run["failed"] = failed
     return {**run, "timed": AFTER_FORWARD} if after else run
 
 
