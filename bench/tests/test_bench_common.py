@@ -172,6 +172,26 @@ def test_kernel_resources_reports_the_build_a_launch_makes():
     assert launched["REG"] < generic["REG"]
 
 
+def test_kernel_resources_counts_a_builds_instructions():
+    """``--sass``: the launched persistent forward loads its row tiles by TMA (``UTMALDG``) and reads them back
+    from shared memory one 16-bit value a thread at a time (``LDS.U16``); the generic build issues no TMA load.
+    The summary line names each memory opcode with its count."""
+    pytest.importorskip("cuda.tile")
+    from tilegym_rms import aot
+
+    cuobjdump = kr.find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or Triton)")
+    v = next(v for v in aot.variants_for(32768, 896, torch.bfloat16, 132, kernels=("persistent",), every_path=False))
+    launched = kr.instruction_counts(aot.cubin(v, "sm_90", as_launched=True), cuobjdump)
+    generic = kr.instruction_counts(aot.cubin(v, "sm_90"), cuobjdump)
+    assert any(op.startswith("UTMALDG") for op in launched) and launched["LDS.U16"] > 0
+    assert not any(op.startswith("UTMALDG") for op in generic) and sum(generic.values()) > 0
+    line = kr.sass_summary(launched)
+    assert line.startswith(f"{sum(launched.values())} instructions; ") and f"LDS.U16 {launched['LDS.U16']}" in line
+    assert "FMUL" not in line  # arithmetic is counted in the total, not listed
+
+
 def test_kernel_resources_reports_what_the_table_launches(monkeypatch, capsys):
     """On an H100's class the host launches the tuning table's winners, so the report shows those (bf16 32768 x
     1536: the table's 8-row backward tile, the heuristics' 4); ``--analytic`` shows the heuristics' instead."""

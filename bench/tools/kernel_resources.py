@@ -15,9 +15,11 @@ makes for rows that are not 16-byte aligned (PERFORMANCE.md, "Toolchain").
 
     python -m bench.tools.kernel_resources --shapes 32768x4096,4096x16384,4096x32768 --dtype bf16
 
-Each launch line gives the grid, the blocks one SM holds and the waves they make. ``--waves-of`` takes a
-``tune_table`` candidates file instead and sets every persistent candidate of ``--op`` (forward, backward) it
-timed beside the waves its launch runs in (PERFORMANCE.md, "The launched build and its load ring"):
+Each launch line gives the grid, the blocks one SM holds and the waves they make; ``--sass`` adds the build's
+instruction count and its loads and stores by width (``LDS.U16``: one 16-bit value a thread from shared memory).
+``--waves-of`` takes a ``tune_table`` candidates file instead and sets every persistent candidate of ``--op``
+(forward, backward) it timed beside the waves its launch runs in (PERFORMANCE.md, "The launched build and its
+load ring"):
 
     python -m bench.tools.kernel_resources --waves-of bench/results/h100/sweeps/table_sm90_132sm_candidates.json
 """
@@ -25,6 +27,7 @@ timed beside the waves its launch runs in (PERFORMANCE.md, "The launched build a
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import re
@@ -62,6 +65,32 @@ def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int]:
     ntid = re.search(r"EIATTR_REQNTID\s+Format:\s+\S+\s+Value:\s+((?:0x[0-9a-f]+\s*)+)", out)
     use["THREADS"] = 0 if ntid is None else math.prod(int(v, 16) for v in ntid.group(1).split())
     return use
+
+
+# The SASS opcodes --sass lists one by one (with their width suffix, e.g. LDS.U16 / LDS.64): the memory traffic of
+# each thread, the shared-memory reads of staged tiles and the spills.
+MEMORY_OPS = ("LDG", "LDS", "STG", "STS", "LDL", "STL", "UTMALDG", "UTMASTG")
+
+
+def instruction_counts(cubin: bytes, cuobjdump: str) -> collections.Counter:
+    """``{opcode: count}`` of the single kernel in ``cubin`` (``cuobjdump -sass``; predicates dropped, the
+    opcode's modifiers kept, e.g. ``LDS.U16``, ``STG.E.64``): static counts, each instruction once however
+    often it runs."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    counts = collections.Counter()
+    for code in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]+);", out):
+        words = code.split()
+        counts[words[1] if words[0].startswith("@") else words[0]] += 1
+    return counts
+
+
+def sass_summary(counts: collections.Counter) -> str:
+    """One line: the instruction total and each memory opcode's count (:data:`MEMORY_OPS`)."""
+    memory = sorted((op, n) for op, n in counts.items() if op.split(".")[0] in MEMORY_OPS)
+    return f"{sum(counts.values())} instructions; " + ", ".join(f"{op} {n}" for op, n in memory)
 
 
 # Per-SM limits of the occupancy calculation, by compile target: registers, shared memory (bytes, the
@@ -196,6 +225,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sms", type=int, default=132, help="SM count the heuristics assume (H100: 132)")
     parser.add_argument("--analytic", action="store_true", help="the heuristics' choices, not the tuning table's")
     parser.add_argument("--generic", action="store_true", help="the build without alignment assumptions")
+    parser.add_argument("--sass", action="store_true", help="also count each build's instructions (cuobjdump -sass)")
     parser.add_argument("--waves-of", metavar="SWEEP.json", help="a tune_table candidates file: waves of its timings")
     parser.add_argument("--out", help="with --waves-of: write every candidate's row here (JSON)")
     parser.add_argument("--jobs", type=int, default=4, help="with --waves-of: compile processes")
@@ -224,9 +254,12 @@ def main(argv=None) -> int:
         # What a training call launches for this shape (default dispatch, weight, llama casting).
         grids: dict = {}
         for v in aot.variants_for(m, n, dtype, args.sms, (None,), False, table, grids=grids):
-            use = resource_usage(aot.cubin(v, args.arch, as_launched=not args.generic), cuobjdump)
+            cubin = aot.cubin(v, args.arch, as_launched=not args.generic)
+            use = resource_usage(cubin, cuobjdump)
             print(f"  {v.describe():<96} REG {use['REG']:>3}  STACK {use['STACK']:>4}  SHARED {use['SHARED']:>6}")
             print(f"    {launch_shape(use, grids[v], args.arch, args.sms)}")
+            if args.sass:
+                print(f"    {sass_summary(instruction_counts(cubin, cuobjdump))}")
     return 0
 
 
