@@ -53,14 +53,18 @@ def find_cuobjdump() -> str | None:
     return str(bundled) if bundled.exists() else None
 
 
-def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int]:
-    """``{"REG": .., "STACK": .., "SHARED": .., "LOCAL": .., "THREADS": ..}`` of the single kernel in ``cubin``
-    (``THREADS``: the block size the kernel requires, 0 where it names none)."""
+def _dump(cubin: bytes, cuobjdump: str, *flags: str) -> str:
+    """What ``cuobjdump FLAGS`` prints of ``cubin``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        cmd = [cuobjdump, "-res-usage", "-elf", f.name]  # the report and the ELF attributes, in one run
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        return subprocess.run([cuobjdump, *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int]:
+    """``{"REG": .., "STACK": .., "SHARED": .., "LOCAL": .., "THREADS": ..}`` of the single kernel in ``cubin``
+    (``THREADS``: the block size the kernel requires, 0 where it names none)."""
+    out = _dump(cubin, cuobjdump, "-res-usage", "-elf")  # the report and the ELF attributes, in one run
     use = {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
     ntid = re.search(r"EIATTR_REQNTID\s+Format:\s+\S+\s+Value:\s+((?:0x[0-9a-f]+\s*)+)", out)
     use["THREADS"] = 0 if ntid is None else math.prod(int(v, 16) for v in ntid.group(1).split())
@@ -76,12 +80,8 @@ def instruction_counts(cubin: bytes, cuobjdump: str) -> collections.Counter:
     """``{opcode: count}`` of the single kernel in ``cubin`` (``cuobjdump -sass``; predicates dropped, the
     opcode's modifiers kept, e.g. ``LDS.U16``, ``STG.E.64``): static counts, each instruction once however
     often it runs."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     counts = collections.Counter()
-    for code in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]+);", out):
+    for code in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]+);", _dump(cubin, cuobjdump, "-sass")):
         words = code.split()
         counts[words[1] if words[0].startswith("@") else words[0]] += 1
     return counts
