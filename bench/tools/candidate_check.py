@@ -15,7 +15,6 @@ import torch
 from bench.common import base
 from tilegym_rms import testing
 from tilegym_rms.cutile.tuning import build
-from tilegym_rms.ops import qk as qk_ops
 
 # Rows of the check: odd, so that the last row tile and the grid-stride walk end part-way, and few, so that the
 # float64 reference stays cheap beside the timing. The candidate's table serves every row count, so these rows
@@ -37,9 +36,11 @@ def errors(cutile, op: str, dtype: torch.dtype, n: int, w: torch.Tensor, rows: i
         return torch.randn(*shape, generator=gen, device=device).to(dtype)
 
     if op == "qk":
+        from bench.tools.tune_table import qk_product_views  # here: tune_table imports this module
+
         hq, hk = build.QK_SWEEP_HEADS
         tokens = max(1, rows // (hq + hk))
-        q, k = (qk_ops._qk_views([randn(tokens, h, n)])[0][0] for h in (hq, hk))
+        q, k = (qk_product_views(randn(tokens, h, n)) for h in (hq, hk))
         yq, yk, rq, rk = cutile.qk_forward(q, k, w, w, EPS, 0.0, "llama")
         dyq, dyk = randn(*q.shape), randn(*k.shape)
         dq, dk, dwq, dwk = cutile.qk_backward(q, k, dyq, dyk, w, w, rq, rk, 0.0, "llama")

@@ -441,8 +441,9 @@ def time_point(
                     continue
             bad = candidate_check.beyond_tolerance(errs, tuning.DTYPE_NAMES[dtype])
             if bad:
-                failed[build.label(op, cand)] = {k: round(v, 6) for k, v in bad.items()}
-                print(f"    {op} {n_b} {build.label(op, cand)}: wrong values {failed[build.label(op, cand)]}")
+                what = build.label(op, cand)
+                failed[what] = {k: round(v, 6) for k, v in bad.items()}
+                print(f"    {op} {n_b} {what}: wrong values {failed[what]}")
         cands = [c for c in cands if build.label(op, c) not in failed]
         if not cands:
             raise RuntimeError(f"{op} {tuning.DTYPE_NAMES[dtype]} {m_b}x{n_b}: every candidate computed wrong values")
@@ -470,13 +471,13 @@ def time_point(
     run = {"m": m_b, "gbps": time_all(m_b)}
     if op == "qk":
         run = {"m": m_b, "winner": asdict(qk_winner(cands, run["gbps"], min_gain)), "gbps": run["gbps"]}
-        return {**run, "failed": failed} if failed else run
-    if span:
-        m_span = build.span_rows(m_b)
-        run["span"] = {"m": m_span, "gbps": time_all(m_span)}
-    winner = build.select_winner(build.scores(run), build.label(op, cands[0]), min_gain)
-    by_label = {build.label(op, c): c for c in cands}
-    run = {"m": m_b, "winner": asdict(by_label[winner]), **{k: v for k, v in run.items() if k != "m"}}
+    else:
+        if span:
+            m_span = build.span_rows(m_b)
+            run["span"] = {"m": m_span, "gbps": time_all(m_span)}
+        winner = build.select_winner(build.scores(run), build.label(op, cands[0]), min_gain)
+        by_label = {build.label(op, c): c for c in cands}
+        run = {"m": m_b, "winner": asdict(by_label[winner]), **{k: v for k, v in run.items() if k != "m"}}
     if failed:
         run["failed"] = failed
     return {**run, "timed": AFTER_FORWARD} if after else run
