@@ -19,6 +19,7 @@ def test_variants_cover_every_kernel():
     launched = {
         "rms_norm_fwd_gather",
         "rms_norm_fwd_persistent",
+        "rms_norm_fwd_split",
         "rms_norm_bwd_direct",
         "rms_norm_bwd_persistent",
         "rms_norm_bwd_row_dot",
@@ -36,14 +37,14 @@ def test_variants_cover_every_kernel():
 
 def test_arithmetic_axes_are_compiled_for_every_kernel_class():
     """Each casting mode, the no-weight and (gather) the no-rstd forward, and the no-weight backward, appear
-    for both forward kernels and each backward kernel: the axes TILE_CLASS_N keeps to a few widths."""
+    for every forward kernel and each backward kernel: the axes TILE_CLASS_N keeps to a few widths."""
     vs = aot.variants()
 
     def constants(name):
         return [v.constants() for v in vs if v.kernel_name == name]
 
     casts = set(CASTING_CODES.values())
-    for name in ("rms_norm_fwd_gather", "rms_norm_fwd_persistent"):
+    for name in ("rms_norm_fwd_gather", "rms_norm_fwd_persistent", "rms_norm_fwd_split"):
         plain = [c for c in constants(name) if c["ADD"] == 0]
         assert {(c["CAST"], c["HAS_W"]) for c in plain} >= {
             *((cast, True) for cast in casts),

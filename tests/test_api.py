@@ -186,6 +186,7 @@ def test_cutile_backward_kernels_are_marked_experimental():
     from tilegym_rms.cutile import kernels
 
     for k in (
+        kernels.rms_norm_fwd_split,
         kernels.rms_norm_bwd_persistent,
         kernels.rms_norm_bwd_row_dot,
         kernels.rms_norm_bwd_column_chunk,

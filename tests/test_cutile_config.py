@@ -453,3 +453,25 @@ def test_backward_sums_each_tile_for_the_narrowest_rows_from_many_rows_on():
         assert not config.backward_config(m, narrow, torch.float16, SMS).dw_per_row
         assert config.backward_config(m, 2 * narrow, torch.float16, SMS).dw_per_row
     assert config.backward_config(many // 4, narrow, torch.float16, SMS).dw_per_row
+
+
+def test_split_forward_config_spreads_a_row_over_a_block_per_chunk(host):
+    """kernel="split": rows wider than one chunk run a block per (row, chunk), never chosen without being named
+    (or a table naming it); rows of one chunk, and rows of more chunks than SMs (a row's blocks wait for each
+    other, so all must be resident at once), are refused before any launch."""
+    from tilegym_rms.cutile.tuning import candidate_error
+
+    chunk = config.HEURISTICS.fwd_chunk_n
+    cfg = fwd(host, 1000, 4 * chunk + 1, kernel="split")
+    assert (cfg.kernel, cfg.tile_m, cfg.tile_n, cfg.grid) == ("split", 1, chunk, 1000 * 5)
+    launch = host.forward.cached_launch(0, 1000, 4 * chunk + 1, BF16, "split", "llama", True, False, 0)
+    assert launch.sum_slots == 8 and launch.constants[:3] == (chunk, 5, 8) and launch.allocates_rstd
+    for n in (4 * chunk + 1, 262144):
+        assert fwd(host, 65536, n).kernel == "gather"
+    with pytest.raises(ValueError, match="rows wider than 16384"):
+        fwd(host, 8, chunk, kernel="split")
+    with pytest.raises(ValueError, match="exceed the 132 SMs"):
+        config.forward_config(8, (SMS + 1) * chunk, BF16, SMS, kernel="split")
+    split = config.forward_candidate(8, 2 * chunk, BF16, SMS, "split")
+    assert candidate_error("forward", split, 2 * chunk) is None
+    assert "fit one" in candidate_error("forward", split, chunk)

@@ -302,3 +302,52 @@ def test_batch_invariant_mode(m, n, dtype, weight):
     rows up to 16384 columns and column chunks beyond (the direct backward's chunked dx branch, SINGLE_TILE off)."""
     with tilegym_rms.batch_invariant():
         _check(m, n, dtype, weight=weight)
+
+
+# Rows wider than one 16384-column chunk, split over a block per chunk (kernel "split"): one chunk and a bit,
+# chunks that end inside the row, 2 to 16 whole chunks.
+SPLIT_SHAPES = [(1, 16385), (7, 20000), (129, 32768), (300, 65536), (33, 131072), (5, 262144)]
+
+
+@pytest.mark.parametrize("m,n", SPLIT_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_forward_kernel(m, n, dtype):
+    _check(m, n, dtype, kernel="split")
+
+
+@pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
+@pytest.mark.parametrize("weight,offset", [(True, 1.0), (False, 0.0)])
+def test_split_forward_casting_weight_offset(casting_mode, weight, offset):
+    _check(65, 40000, torch.bfloat16, weight=weight, offset=offset, casting_mode=casting_mode, kernel="split")
+
+
+def test_split_forward_rows_do_not_depend_on_the_call():
+    """A block per chunk, chunks taken in the order blocks start, sums traded through memory: a row's y and rstd
+    are the same bits in a call of its own, in a larger call and on a second run, and match the chunked gather's
+    rounding within one step of its dtype."""
+    x = torch.randn(2000, 49152, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(49152, dtype=torch.bfloat16, device="cuda")
+    y, rstd = tilegym_rms.rms_norm_forward(x, w, backend="cutile", kernel="split")
+    again, rstd_again = tilegym_rms.rms_norm_forward(x, w, backend="cutile", kernel="split")
+    assert torch.equal(y, again) and torch.equal(rstd, rstd_again)
+    for rows in (slice(0, 1), slice(1000, 1003), slice(1999, 2000)):
+        part, part_rstd = tilegym_rms.rms_norm_forward(x[rows], w, backend="cutile", kernel="split")
+        assert torch.equal(part, y[rows]) and torch.equal(part_rstd, rstd[rows])
+    gathered, _ = tilegym_rms.rms_norm_forward(x, w, backend="cutile", kernel="gather")
+    assert (y.float() - gathered.float()).abs().max() <= 2**-7 * gathered.float().abs().max()
+
+
+def test_split_forward_replays_in_a_cuda_graph():
+    """The launch zeroes its ticket and clears its sums on the stream before the kernel: a captured call replays
+    with new inputs and the values of an eager call."""
+    x = torch.randn(64, 65536, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(65536, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        tilegym_rms.rms_norm(x, w, backend="cutile", kernel="split")  # compiled and warned outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = tilegym_rms.rms_norm(x, w, backend="cutile", kernel="split")
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert torch.equal(y, tilegym_rms.rms_norm(x, w, backend="cutile", kernel="split"))

@@ -138,8 +138,9 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode=DEFAULT_CASTI
             ``"llama"``, ``"gemma"`` or ``"none"``; see :mod:`tilegym_rms.reference`.
         backend: ``"cutile"``, ``"triton"``, ``"torch"`` or None (choose; ``TILEGYM_RMS_BACKEND``
             overrides the choice).
-        kernel: force a forward kernel of the backend (cutile: ``"gather"`` / ``"persistent"`` / ``"tiles"``; triton:
-            ``"block"`` / ``"block_row"`` / ``"partitioned"``); None chooses. Other values raise.
+        kernel: force a forward kernel of the backend (cutile: ``"gather"`` / ``"persistent"`` / ``"tiles"`` /
+            ``"split"``, the last for rows over 16384 columns, experimental; triton: ``"block"`` / ``"block_row"`` /
+            ``"partitioned"``); None chooses. Other values, and values that cannot serve the input, raise.
 
     Returns:
         ``y``, with the shape and dtype of ``x``. Empty inputs (any dim 0) give empty outputs.

@@ -15,16 +15,18 @@ from .heuristics import Heuristics, Hints, current, m_bucket, make_hints
 # The forward's kernels: one row per block ("gather"), row tiles walked by a static-persistent grid ("persistent"),
 # and the same tiles one per block without the walk ("tiles": no load ring, so as many small blocks resident as the
 # hints allow, each with its own loads in flight; PERFORMANCE.md, "Narrow rows"). "tiles" launches the persistent
-# kernel with WALK off.
-FORWARD_KERNELS = ("gather", "persistent", "tiles")
+# kernel with WALK off. "split" spreads a row wider than one chunk over a block per chunk, which read x once and
+# trade their sums of squares through memory (rms_norm_fwd_split; chosen only by name or by a table until measured,
+# PERFORMANCE.md "Wide rows").
+FORWARD_KERNELS = ("gather", "persistent", "tiles", "split")
 
 
 @dataclass(frozen=True)
 class ForwardConfig:
-    kernel: str  # "gather", "persistent" or "tiles" (FORWARD_KERNELS)
+    kernel: str  # "gather", "persistent", "tiles" or "split" (FORWARD_KERNELS)
     tile_m: int
     tile_n: int
-    single_tile: bool  # gather only: the row fits one tile
+    single_tile: bool  # gather only: the row fits one tile; split: False (a row is tile_n-wide chunks)
     grid: int
     hints: Hints = ()  # compiler hints (occupancy, num_worker_warps)
     tail_n: int = 0  # persistent and tiles: width of the tail tile after the first tile_n columns (0: none)
@@ -130,6 +132,11 @@ def forward_candidate(
         tile_n = padded if fits else p.fwd_chunk_n
         occupancy, warps = gather_hints(tile_n, fits, p)
         return ForwardCandidate("gather", 1, tile_n, 0, 0, occupancy, warps)
+    if kernel == "split":
+        if n <= p.fwd_chunk_n:
+            raise ValueError(f"kernel='split' splits rows wider than {p.fwd_chunk_n} columns (N={n})")
+        occupancy, warps = gather_hints(p.fwd_chunk_n, True, p)  # each block holds one chunk, as a gather row
+        return ForwardCandidate("split", 1, p.fwd_chunk_n, 0, 0, occupancy, warps)
     if padded > p.fwd_max_persistent_tile_n:
         raise ValueError(
             f"kernel={kernel!r} needs rows of at most {p.fwd_max_persistent_tile_n} elements (N={n}); "
@@ -175,6 +182,11 @@ def build_forward(cand: ForwardCandidate, m: int, n: int, num_sms: int) -> Forwa
         # that bound to run the chunked loop on narrow rows).
         single = n <= cand.tile_n <= current().fwd_max_single_tile_n
         return ForwardConfig("gather", 1, cand.tile_n, single, m, hints)
+    if cand.kernel == "split":
+        chunks = cdiv(n, cand.tile_n)
+        if chunks > num_sms:  # a row's blocks wait for each other: all of them must be able to run at once
+            raise ValueError(f"kernel='split': {chunks} chunks of {cand.tile_n} columns exceed the {num_sms} SMs")
+        return ForwardConfig("split", 1, cand.tile_n, False, m * chunks, hints)
     tiles = cdiv(m, cand.tile_m)
     grid = tiles if cand.kernel == "tiles" else min(num_sms * cand.blocks_per_sm, tiles)
     return ForwardConfig(cand.kernel, cand.tile_m, cand.tile_n, True, grid, hints, cand.tail_n)

@@ -1,7 +1,7 @@
 """The forward host: the norm (:meth:`tilegym_rms.dispatch.Backend.forward`) and the fused residual add
 (:meth:`tilegym_rms.dispatch.FusedAddBackend.fused_add_forward`, the kernels' ``ADD`` switch) on 2-D ``(M, N)``
-views whose last dim is dense: one launch of the gather or the persistent kernel (walking its row tiles, or one
-tile per block)."""
+views whose last dim is dense: one launch of the gather, the persistent (walking its row tiles, or one tile per
+block) or the split kernel (a block per column chunk, after zeroing its ticket and marking its sums empty)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,20 @@ def config_for(tgt: Target, m: int, n: int, dtype: torch.dtype, kernel=None, op=
     twice the bytes per row), then the plain forward's. In the batch-invariant mode: the gather kernel as
     for one row."""
     cfg = config.forward_config(config.m_bucket(m), n, dtype, tgt.sms, kernel, tgt.table, op, tgt.invariant)
-    grid = m if cfg.kernel == "gather" else min(cfg.grid, config.cdiv(m, cfg.tile_m))
+    if cfg.kernel == "gather":
+        grid = m
+    elif cfg.kernel == "split":  # a block per (row, chunk), every one exactly: the kernel counts on its tickets
+        grid = m * config.cdiv(n, cfg.tile_n)
+    else:
+        grid = min(cfg.grid, config.cdiv(m, cfg.tile_m))
     return dataclasses.replace(cfg, grid=grid)
 
 
 @dataclasses.dataclass(frozen=True)
 class ForwardLaunch(Launch):
     rows: int  # M: rstd's length (one call's shape is cheaper read here than from the tensor)
-    allocates_rstd: bool  # the persistent kernel always stores rstd (see kernels.STORE_RSTD)
+    allocates_rstd: bool  # the persistent and split kernels always store rstd (see kernels.STORE_RSTD)
+    sum_slots: int = 0  # split: the fp32 slots per row for the chunks' sums of squares (0: another kernel)
 
 
 def forward_launch(tgt: Target, m, n, dtype, kernel, casting_mode, has_w, store_rstd, add) -> ForwardLaunch:
@@ -45,12 +51,18 @@ def forward_launch(tgt: Target, m, n, dtype, kernel, casting_mode, has_w, store_
     if cfg.kernel == "gather":
         kernel, grid = k.rms_norm_fwd_gather, (m,)
         constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd, add)
+    elif cfg.kernel == "split":
+        chunks = config.cdiv(n, cfg.tile_n)
+        kernel, grid = k.rms_norm_fwd_split, (cfg.grid,)
+        constants = (cfg.tile_n, chunks, config.next_pow2(chunks), cast, has_w, add)
     else:  # "persistent" walks its row tiles, "tiles" runs one per block
         kernel, grid = k.rms_norm_fwd_persistent, (cfg.grid,)
         exact_n = n == cfg.tile_n  # a power of two (tiles are), the row one tile without a tail
         constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add, exact_n, cfg.kernel == "persistent")
     allocates_rstd = store_rstd or cfg.kernel != "gather"
-    return make_launch(kernel, grid, constants, cfg.hints, ForwardLaunch, rows=m, allocates_rstd=allocates_rstd)
+    slots = config.next_pow2(config.cdiv(n, cfg.tile_n)) if cfg.kernel == "split" else 0
+    return make_launch(kernel, grid, constants, cfg.hints, ForwardLaunch, rows=m, allocates_rstd=allocates_rstd,
+                       sum_slots=slots)  # fmt: skip
 
 
 def start(fl: ForwardLaunch, x, residual, res_out, weight, eps, offset, dev: int, launch) -> tuple:
@@ -64,7 +76,11 @@ def start(fl: ForwardLaunch, x, residual, res_out, weight, eps, offset, dev: int
     # Without rstd the kernel stores none, without the add it reads no residual and writes no sum: y and x
     # stand in for those arguments.
     args = (x, weight_arg(weight, x), y, y if rstd is None else rstd, x if residual is None else plain(residual),
-            y if res_out is None else res_out, float(eps), float(offset), *fl.constants)  # fmt: skip
+            y if res_out is None else res_out)  # fmt: skip
+    if fl.sum_slots:  # the split kernel's sums (-1: none yet) and its ticket (kernels.rms_norm_fwd_split)
+        sums = torch.full((fl.rows * fl.sum_slots,), -1.0, dtype=torch.float32, device=x.device)
+        args += (sums, torch.zeros(1, dtype=torch.int32, device=x.device))
+    args += (float(eps), float(offset), *fl.constants)
     launch(fl.kernel, fl.grid, args, dev, fl.hints, fl.built)
     return y, rstd
 

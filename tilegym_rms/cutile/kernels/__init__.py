@@ -38,7 +38,7 @@ from .backward import (
     rms_norm_dw_reduce,
 )
 from .common import ADD_NONE, ADD_POST, ADD_PRE, CAST_GEMMA, CAST_LLAMA, CAST_NONE
-from .forward import rms_norm_fwd_gather, rms_norm_fwd_persistent
+from .forward import rms_norm_fwd_gather, rms_norm_fwd_persistent, rms_norm_fwd_split
 from .fp8 import QUANT_GROUP, QUANT_STATIC, QUANT_TOKEN, rms_norm_fp8_fwd
 from .gated import gated_rms_norm_bwd, gated_rms_norm_fwd
 from .qk import qk_rms_norm_bwd, qk_rms_norm_fwd
@@ -65,4 +65,5 @@ __all__ = [
     "rms_norm_fp8_fwd",
     "rms_norm_fwd_gather",
     "rms_norm_fwd_persistent",
+    "rms_norm_fwd_split",
 ]

@@ -1,10 +1,11 @@
-"""The forward kernels: one row per block (gather), and row tiles, walked by a static-persistent grid or one per
-block."""
+"""The forward kernels: one row per block (gather), row tiles walked by a static-persistent grid or one per block,
+and rows split over several blocks (split)."""
 
 from __future__ import annotations
 
 import cuda.tile as ct
 
+from ...experimental import experimental_kernel
 from .common import (
     _F32,
     ADD_PRE,
@@ -114,3 +115,50 @@ def rms_norm_fwd_persistent(
             _forward_tile(t, x, wt, wt_tail, y, rstd, residual, res_out, eps, *consts)
     else:
         _forward_tile(ct.bid(0), x, wt, wt_tail, y, rstd, residual, res_out, eps, *consts)
+
+
+@experimental_kernel
+@ct.kernel
+def rms_norm_fwd_split(
+    x,
+    w,
+    y,
+    rstd,
+    residual,
+    res_out,
+    partial,
+    ticket,
+    eps,
+    offset,
+    TILE_N: ct.Constant[int],
+    CHUNKS: ct.Constant[int],
+    CHUNKS_P2: ct.Constant[int],
+    CAST: ct.Constant[int],
+    HAS_W: ct.Constant[bool],
+    ADD: ct.Constant[int],
+):
+    """A row of ``CHUNKS`` column chunks of ``TILE_N`` over as many blocks, so that x is read once however wide
+    the row (the chunked gather reads it twice). A block takes the next (row, chunk) in start order from
+    ``ticket`` (one int32, zero at launch), keeps its chunk on chip, publishes its sum of squares in ``partial``
+    (``CHUNKS_P2`` fp32 slots per row, -1 at launch: a sum of squares is never negative, so a slot holds its value
+    or says it has none yet), waits until the row's other chunks have published theirs, adds them in slot order
+    (every block of a row gets the same rstd, whatever the order the blocks ran in), and normalizes its chunk.
+    Taking chunks in start order means the blocks a block waits for have started or start next: with at least
+    ``CHUNKS`` blocks resident at once (the host checks the SM count) a row always completes."""
+    t = ct.atomic_add(ticket, 0, 1, memory_order=ct.MemoryOrder.RELAXED)
+    row = t // CHUNKS
+    chunk = t % CHUNKS
+    n = x.shape[1]
+    sdt = residual.dtype  # as in rms_norm_fwd_gather
+    xf = _load_input(x, residual, res_out, (row, chunk), (1, TILE_N), ADD, ADD == ADD_PRE)
+    ct.atomic_xchg(partial, row * CHUNKS_P2 + chunk, ct.sum(xf * xf), memory_order=ct.MemoryOrder.RELEASE)
+    slots = ct.arange(CHUNKS_P2, dtype=ct.int32)
+    mine = slots < CHUNKS
+    sums = ct.atomic_add(partial, row * CHUNKS_P2 + slots, 0.0, memory_order=ct.MemoryOrder.ACQUIRE)
+    while ct.min(ct.where(mine, sums, 0.0)) < 0.0:
+        sums = ct.atomic_add(partial, row * CHUNKS_P2 + slots, 0.0, memory_order=ct.MemoryOrder.ACQUIRE)
+    sum_sq = ct.reshape(ct.sum(ct.where(mine, sums, 0.0)), (1, 1))
+    r = _rstd_from_sum_sq(sum_sq, n, eps, CAST, sdt)
+    wt = _effective_weight(w, chunk, offset, TILE_N, HAS_W, CAST, sdt)
+    ct.store(y, (row, chunk), _normalize_as(xf, r, wt, CAST, sdt, y.dtype), allow_tma=False)
+    ct.store(rstd, (row,), ct.reshape(r, (1,)), allow_tma=False)  # the same value from each of the row's blocks

@@ -168,7 +168,7 @@ def candidate_error(op: str, cand, n_b: int) -> str | None:
     if cand.tail_n and not (_pow2(cand.tail_n) and cand.tail_n < cand.tile_n):
         return f"tail_n {cand.tail_n} must be 0 or a power of two narrower than tile_n"
     kind = cand.kernel if op in FORWARD_OPS else cand.strategy
-    if kind in ("gather", "direct"):
+    if kind in ("gather", "direct", "split"):
         if cand.blocks_per_sm or cand.tail_n:
             return f"{kind}: blocks_per_sm and tail_n must be 0 (one block per row or row tile)"
     elif kind == "tiles":
@@ -176,10 +176,12 @@ def candidate_error(op: str, cand, n_b: int) -> str | None:
             return "tiles: blocks_per_sm must be 0 (one block per row tile)"
     elif cand.blocks_per_sm < 1:
         return f"{kind}: blocks_per_sm must be >= 1"
-    if kind == "gather":
+    if kind in ("gather", "split"):
         widest = p.fwd_max_single_tile_n
         if cand.tile_m != 1 or cand.tile_n > widest:
-            return f"gather: tile_m must be 1 and tile_n (one tile or a chunk) at most {widest}"
+            return f"{kind}: tile_m must be 1 and tile_n (one tile or a chunk) at most {widest}"
+        if kind == "split" and n_b <= cand.tile_n:
+            return f"split: rows of bucket {n_b} fit one {cand.tile_n}-column chunk"
         return None
     if kind == "chunked":
         return None

@@ -186,7 +186,7 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
                 continue  # persistent: rows too wide
             add(base)
             occupancies = [max(1, base.occupancy) * o for o in (2, 4)] if wide else [max(1, base.occupancy * 2)]
-            if kernel == "gather":
+            if kernel in ("gather", "split"):  # one row or one chunk per block: only the hints to vary
                 for occupancy in occupancies:
                     add(replace(base, occupancy=occupancy))
                 continue
