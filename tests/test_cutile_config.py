@@ -472,6 +472,13 @@ def test_split_forward_config_spreads_a_row_over_a_block_per_chunk(host):
         fwd(host, 8, chunk, kernel="split")
     with pytest.raises(ValueError, match="exceed the 132 SMs"):
         config.forward_config(8, (SMS + 1) * chunk, BF16, SMS, kernel="split")
+    with config.override(fwd_split_min_n=2 * chunk):  # the analytic choice from that width, within the SMs
+        assert [config.forward_candidate(4096, n, BF16, SMS).kernel for n in (2 * chunk - 1, 2 * chunk, 262144)] == [
+            "gather",
+            "split",
+            "split",
+        ]
+        assert config.forward_candidate(4096, (SMS + 1) * chunk, BF16, SMS).kernel == "gather"
     split = config.forward_candidate(8, 2 * chunk, BF16, SMS, "split")
     assert candidate_error("forward", split, 2 * chunk) is None
     assert "fit one" in candidate_error("forward", split, chunk)
