@@ -97,3 +97,31 @@ def _gpu_memory_turns(request):
         finally:
             _release_gpu_memory()
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+# The split forward's blocks wait for each other: a fault there hangs the launch instead of failing it. A fresh
+# process runs it first, on more rows than fit the GPU at once and on 16 chunks, within this many seconds
+# (its compiles included), so that such a fault fails these tests rather than stalling the suite.
+SPLIT_PROBE_SECONDS = 240
+SPLIT_PROBE = """
+import torch, tilegym_rms
+for m, n in ((20000, 32768), (300, 262144)):
+    x = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    tilegym_rms.rms_norm_forward(x, torch.ones(n, dtype=x.dtype, device="cuda"), backend="cutile", kernel="split")
+torch.cuda.synchronize()
+print("finished")
+"""
+
+
+@pytest.fixture(scope="module")
+def split_forward_finishes():
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SPLIT_PROBE], capture_output=True, text=True, timeout=SPLIT_PROBE_SECONDS
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the split forward did not finish in {SPLIT_PROBE_SECONDS} s: its blocks wait on each other")
+    assert done.returncode == 0 and "finished" in done.stdout, done.stderr[-2000:]

@@ -211,7 +211,7 @@ def test_in_place_under_torch_compile():
 @pytest.mark.parametrize("mode", ["pre", "post"])
 @pytest.mark.parametrize("m,n", [(7, 20000), (129, 65536)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_add_split_kernel(m, n, dtype, mode):
+def test_fused_add_split_kernel(m, n, dtype, mode, split_forward_finishes):
     """Rows wider than one chunk split over a block per chunk (kernel "split"), each block adding and, in mode
     "pre", storing its own chunk's sum."""
     _check(m, n, dtype, mode=mode, kernel="split", with_dres=mode == "pre")

@@ -311,17 +311,17 @@ SPLIT_SHAPES = [(1, 16385), (7, 20000), (129, 32768), (300, 65536), (33, 131072)
 
 @pytest.mark.parametrize("m,n", SPLIT_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_split_forward_kernel(m, n, dtype):
+def test_split_forward_kernel(m, n, dtype, split_forward_finishes):
     _check(m, n, dtype, kernel="split")
 
 
 @pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
 @pytest.mark.parametrize("weight,offset", [(True, 1.0), (False, 0.0)])
-def test_split_forward_casting_weight_offset(casting_mode, weight, offset):
+def test_split_forward_casting_weight_offset(casting_mode, weight, offset, split_forward_finishes):
     _check(65, 40000, torch.bfloat16, weight=weight, offset=offset, casting_mode=casting_mode, kernel="split")
 
 
-def test_split_forward_rows_do_not_depend_on_the_call():
+def test_split_forward_rows_do_not_depend_on_the_call(split_forward_finishes):
     """A block per chunk, chunks taken in the order blocks start, sums traded through memory: a row's y and rstd
     are the same bits in a call of its own, in a larger call and on a second run, and match the chunked gather's
     rounding within one step of its dtype."""
@@ -337,7 +337,7 @@ def test_split_forward_rows_do_not_depend_on_the_call():
     assert (y.float() - gathered.float()).abs().max() <= 2**-7 * gathered.float().abs().max()
 
 
-def test_split_forward_replays_in_a_cuda_graph():
+def test_split_forward_replays_in_a_cuda_graph(split_forward_finishes):
     """The launch zeroes its ticket and clears its sums on the stream before the kernel: a captured call replays
     with new inputs and the values of an eager call."""
     x = torch.randn(64, 65536, dtype=torch.bfloat16, device="cuda")
