@@ -48,19 +48,20 @@ def forward_launch(tgt: Target, m, n, dtype, kernel, casting_mode, has_w, store_
     k = common.kernels()
     cfg = config_for(tgt, m, n, dtype, kernel, "fused_forward" if add != ADD_NONE else "forward")
     cast = CASTING_CODES[casting_mode]
+    slots = 0  # split: one fp32 slot per chunk, a power of two per row
     if cfg.kernel == "gather":
         kernel, grid = k.rms_norm_fwd_gather, (m,)
         constants = (cfg.tile_n, cast, has_w, cfg.single_tile, store_rstd, add)
     elif cfg.kernel == "split":
         chunks = config.cdiv(n, cfg.tile_n)
+        slots = config.next_pow2(chunks)
         kernel, grid = k.rms_norm_fwd_split, (cfg.grid,)
-        constants = (cfg.tile_n, chunks, config.next_pow2(chunks), cast, has_w, add)
+        constants = (cfg.tile_n, chunks, slots, cast, has_w, add)
     else:  # "persistent" walks its row tiles, "tiles" runs one per block
         kernel, grid = k.rms_norm_fwd_persistent, (cfg.grid,)
         exact_n = n == cfg.tile_n  # a power of two (tiles are), the row one tile without a tail
         constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, cast, has_w, add, exact_n, cfg.kernel == "persistent")
     allocates_rstd = store_rstd or cfg.kernel != "gather"
-    slots = config.next_pow2(config.cdiv(n, cfg.tile_n)) if cfg.kernel == "split" else 0
     return make_launch(kernel, grid, constants, cfg.hints, ForwardLaunch, rows=m, allocates_rstd=allocates_rstd,
                        sum_slots=slots)  # fmt: skip
 

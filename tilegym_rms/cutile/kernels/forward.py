@@ -154,9 +154,10 @@ def rms_norm_fwd_split(
     ct.atomic_xchg(partial, row * CHUNKS_P2 + chunk, ct.sum(xf * xf), memory_order=ct.MemoryOrder.RELEASE)
     slots = ct.arange(CHUNKS_P2, dtype=ct.int32)
     mine = slots < CHUNKS
-    sums = ct.atomic_add(partial, row * CHUNKS_P2 + slots, 0.0, memory_order=ct.MemoryOrder.ACQUIRE)
-    while ct.min(ct.where(mine, sums, 0.0)) < 0.0:
-        sums = ct.atomic_add(partial, row * CHUNKS_P2 + slots, 0.0, memory_order=ct.MemoryOrder.ACQUIRE)
+    row_slots = row * CHUNKS_P2 + slots
+    sums = ct.atomic_add(partial, row_slots, 0.0, memory_order=ct.MemoryOrder.ACQUIRE)
+    while ct.min(ct.where(mine, sums, 0.0)) < 0.0:  # read again until every chunk of the row has published
+        sums = ct.atomic_add(partial, row_slots, 0.0, memory_order=ct.MemoryOrder.ACQUIRE)
     sum_sq = ct.reshape(ct.sum(ct.where(mine, sums, 0.0)), (1, 1))
     r = _rstd_from_sum_sq(sum_sq, n, eps, CAST, sdt)
     wt = _effective_weight(w, chunk, offset, TILE_N, HAS_W, CAST, sdt)
