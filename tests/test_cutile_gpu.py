@@ -315,6 +315,24 @@ def test_split_forward_kernel(m, n, dtype, split_forward_finishes):
     _check(m, n, dtype, kernel="split")
 
 
+@pytest.mark.parametrize("chunk", [4096, 8192])
+@pytest.mark.parametrize("m,n", [(7, 20000), (33, 131072), (5, 262144)])
+def test_split_forward_narrower_chunks(chunk, m, n, split_forward_finishes):
+    """Chunks narrower than the default (more of them per row, up to 64, and more blocks resident: the launch
+    takes the gather's occupancy for a row of that width) against float64; the launch splits as configured."""
+    import tilegym_rms.cutile as cutile
+    from tilegym_rms.cutile import config
+    from tilegym_rms.cutile.host import common, forward
+
+    cutile.clear_caches()
+    try:
+        with config.override(fwd_chunk_n=chunk):
+            assert forward.config_for(common.target(0), m, n, torch.bfloat16, "split").tile_n == chunk
+            _check(m, n, torch.bfloat16, kernel="split")
+    finally:
+        cutile.clear_caches()
+
+
 @pytest.mark.parametrize("casting_mode", reference.CASTING_MODES)
 @pytest.mark.parametrize("weight,offset", [(True, 1.0), (False, 0.0)])
 def test_split_forward_casting_weight_offset(casting_mode, weight, offset, split_forward_finishes):

@@ -1101,6 +1101,23 @@ def test_wide_forward_candidates_try_a_padded_row_as_tile_and_tail(n, split):
     assert all(tuning.candidate_error("forward", c, n) is None for c in cands)
 
 
+@pytest.mark.parametrize("n", [20480, 65536])
+def test_wide_forward_candidates_try_narrower_chunks_past_one_chunk(n):
+    """Rows wider than one chunk: the wide set also times the gather's chunks at half the width and the split
+    forward's at a half and a quarter, each with as many times the occupancy; the quick set and rows of one
+    chunk keep the configured chunk."""
+    chunk = config.HEURISTICS.fwd_chunk_n
+    wide = build.candidates("forward", 4096, n, BF16, SMS, wide=True)
+    narrow = {(c.kernel, c.tile_n) for c in wide if c.tile_n < chunk}
+    assert narrow == {("gather", chunk // 2), ("split", chunk // 2), ("split", chunk // 4)}
+    split = config.forward_candidate(4096, n, BF16, SMS, "split")
+    assert replace(split, tile_n=chunk // 4, occupancy=split.occupancy * 4) in wide
+    assert all(tuning.candidate_error("forward", c, n) is None for c in wide)
+    assert all(c.tile_n >= chunk for c in build.candidates("forward", 4096, n, BF16, SMS))
+    one_chunk = build.candidates("forward", 4096, chunk, BF16, SMS, wide=True)
+    assert {c.tile_n for c in one_chunk if c.kernel == "gather"} == {chunk}
+
+
 @pytest.mark.parametrize(
     "op, n", [("forward", 896), ("forward", 2304), ("forward", 4608), ("backward", 3584), ("backward", 6144)]
 )

@@ -52,7 +52,8 @@ a bucket's winner serves every row count from half its point up, and one timed a
 3-12% below it (PERFORMANCE.md, "Tuning tables", "Between bucket points"). Its runs record ``"span"``.
 
 ``--wide`` times more candidates per point (``build.candidates(wide=True)``: occupancy hints of 2x and 4x,
-half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, builds of
+half tiles, up to 64x the blocks of the persistent forward, a padded forward row as tile plus tail, narrower
+chunks for rows wider than one (the gather's at half, the split forward's at a half and a quarter), builds of
 each persistent tile at one block per SM with eight warps and at occupancy 1 (the deepest ring of TMA load
 stages, PERFORMANCE.md, "Toolchain"), the plain norm's choice for qk): about twice the compiles and several
 times the timings, so it is meant for few widths at a time (``--estimate`` estimates a sweep's size and time;

@@ -144,7 +144,9 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
     ``wide`` reaches further where the quick neighbours left a gap to the peers: four times the blocks per
     SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
     four times the analytic one (for qk on both halves, and qk forwards of one tile per block; for the forward
-    ops on both kernels, and the one-tile-per-block forward's builds); for a padded
+    ops on both kernels, and the one-tile-per-block forward's builds); for rows wider than a chunk, the gather's
+    chunks at half and the split forward's at a half and a quarter of their width, with as many times the
+    occupancy; for a padded
     forward row of the persistent or the one-tile-per-block kernel, the row as a tile plus a tail tile
     (:func:`_add_split_row_builds`); and one-block-per-SM builds of each persistent
     tile shape, with eight warps and at occupancy 1 (:func:`_add_one_block_builds`)."""
@@ -189,6 +191,11 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
             if kernel in ("gather", "split"):  # one row or one chunk per block: only the hints to vary
                 for occupancy in occupancies:
                     add(replace(base, occupancy=occupancy))
+                if wide and n_b > config.HEURISTICS.fwd_chunk_n:  # wide rows: narrower chunks, more blocks resident
+                    chunk = config.HEURISTICS.fwd_chunk_n
+                    for narrower in (2, 4) if kernel == "split" else (2,):
+                        for o in (max(1, base.occupancy), *occupancies):
+                            add(replace(base, tile_n=chunk // narrower, occupancy=o * narrower))
                 continue
             if kernel == "tiles":  # the quick set times its analytic tiles only
                 if wide:
