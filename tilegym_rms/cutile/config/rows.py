@@ -16,8 +16,8 @@ from .heuristics import Heuristics, Hints, current, m_bucket, make_hints
 # and the same tiles one per block without the walk ("tiles": no load ring, so as many small blocks resident as the
 # hints allow, each with its own loads in flight; PERFORMANCE.md, "Narrow rows"). "tiles" launches the persistent
 # kernel with WALK off. "split" spreads a row wider than one chunk over a block per chunk, which read x once and
-# trade their sums of squares through memory (rms_norm_fwd_split; chosen only by name or by a table until measured,
-# PERFORMANCE.md "Wide rows").
+# trade their sums of squares through memory (rms_norm_fwd_split; chosen only by name or by a table: it wins
+# only on fewer rows than SMs, PERFORMANCE.md "Wide rows").
 FORWARD_KERNELS = ("gather", "persistent", "tiles", "split")
 
 
