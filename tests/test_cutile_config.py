@@ -479,6 +479,13 @@ def test_split_forward_config_spreads_a_row_over_a_block_per_chunk(host):
             "split",
         ]
         assert config.forward_candidate(4096, (SMS + 1) * chunk, BF16, SMS).kernel == "gather"
+    with config.override(fwd_split_min_n=2 * chunk, fwd_split_max_m=64):  # and only up to a row bound
+        assert [config.forward_candidate(m, 4 * chunk, BF16, SMS).kernel for m in (1, 64, 128)] == [
+            "split",
+            "split",
+            "gather",
+        ]
+        assert [fwd(host, m, 4 * chunk).kernel for m in (33, 64, 65)] == ["split", "split", "gather"]
     split = config.forward_candidate(8, 2 * chunk, BF16, SMS, "split")
     assert candidate_error("forward", split, 2 * chunk) is None
     assert "fit one" in candidate_error("forward", split, chunk)

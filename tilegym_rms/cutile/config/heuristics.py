@@ -27,9 +27,11 @@ class Heuristics:
     # block, while few rows in flight keep a row's second read in L2 (PERFORMANCE.md, "Wide rows").
     fwd_chunk_n: int = 16384
     # Rows of at least this many columns take the forward that splits a row over a block per fwd_chunk_n-wide
-    # chunk and reads it once ("split"), where a row's chunks do not outnumber the SMs; 0: never (it trails the
-    # chunked gather from 128 rows and wins only on fewer rows than SMs, PERFORMANCE.md "Wide rows").
+    # chunk and reads it once ("split"), where a row's chunks do not outnumber the SMs and M's bucket is at most
+    # fwd_split_max_m (0: any M); fwd_split_min_n 0: never (it trails the chunked gather from 128 rows and wins
+    # only on fewer rows than SMs, PERFORMANCE.md "Wide rows").
     fwd_split_min_n: int = 0
+    fwd_split_max_m: int = 0
     bwd_chunk_n: int = 4096
     bwd_chunk_tile_m: int = 4
     # Elements per tile that the forward / backward aim for (enough bytes in flight per block; wide

@@ -127,6 +127,7 @@ def forward_candidate(
         if kernel == "persistent" and short and n == padded and m >= p.fwd_tiles_min_m:
             kernel = "tiles"
         split = p.fwd_split_min_n and n >= max(p.fwd_split_min_n, p.fwd_chunk_n + 1)
+        split = split and (not p.fwd_split_max_m or m <= p.fwd_split_max_m)
         if split and cdiv(n, p.fwd_chunk_n) <= num_sms:
             kernel = "split"
     if kernel not in FORWARD_KERNELS:
