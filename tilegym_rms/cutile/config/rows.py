@@ -126,8 +126,8 @@ def forward_candidate(
         short = p.fwd_tiles_min_row <= padded <= p.fwd_short_max_row and dtype.itemsize == 2
         if kernel == "persistent" and short and n == padded and m >= p.fwd_tiles_min_m:
             kernel = "tiles"
-        split = p.fwd_split_min_n and n >= max(p.fwd_split_min_n, p.fwd_chunk_n + 1)
-        split = split and (not p.fwd_split_max_m or m <= p.fwd_split_max_m)
+        few_enough = not p.fwd_split_max_m or m <= p.fwd_split_max_m
+        split = p.fwd_split_min_n and n >= max(p.fwd_split_min_n, p.fwd_chunk_n + 1) and few_enough
         if split and cdiv(n, p.fwd_chunk_n) <= num_sms:
             kernel = "split"
     if kernel not in FORWARD_KERNELS:

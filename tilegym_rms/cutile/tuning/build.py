@@ -191,8 +191,8 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
             if kernel in ("gather", "split"):  # one row or one chunk per block: only the hints to vary
                 for occupancy in occupancies:
                     add(replace(base, occupancy=occupancy))
-                if wide and n_b > config.HEURISTICS.fwd_chunk_n:  # wide rows: narrower chunks, more blocks resident
-                    chunk = config.HEURISTICS.fwd_chunk_n
+                chunk = config.current().fwd_chunk_n  # the chunk the analytic candidates use
+                if wide and n_b > chunk:  # wide rows: narrower chunks, more blocks resident
                     for narrower in (2, 4) if kernel == "split" else (2,):
                         for o in (max(1, base.occupancy), *occupancies):
                             add(replace(base, tile_n=chunk // narrower, occupancy=o * narrower))
