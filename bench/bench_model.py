@@ -5,12 +5,18 @@ hidden 2048, intermediate 5632 (Llama) / 6144 (Qwen3), 16 heads (8 KV heads), he
 bf16 weights, SDPA attention, AdamW (fused on CUDA), sequence 2048, batch 2. A step is forward with
 ``labels=input_ids`` (HF's loss), backward, ``optimizer.step()`` and ``zero_grad``.
 
+``--models qwen3_next`` adds a hybrid Qwen3-Next: three linear-attention layers to one full-attention layer, as
+the released model, so its norms are gated ones (one per linear-attention layer, over each value head) beside
+zero-centred ones; every layer's MLP is dense (intermediate 5632), because HF's mixture of experts loops over
+experts in Python and would bury the norms. Its linear attention runs HF's torch implementation when the hub's
+kernels cannot be fetched, which is slow but the same for every provider. Liger replaces its plain norms only.
+
 Providers, each on a fresh model built with the same seed (so the same weights; an init checksum is recorded):
 
 * ``hf``: the model as transformers builds it (HF's eager RMSNorm modules).
 * ``ours``: ``tilegym_rms.integrations.hf.apply_to_model(model)``.
-* ``liger``: ``liger_kernel.transformers.apply_liger_kernel_to_{llama,qwen3}`` with ``rms_norm=True`` and every
-  other kernel off (RoPE, SwiGLU, cross entropy, fused linear cross entropy), so only the norms differ.
+* ``liger``: ``liger_kernel.transformers.apply_liger_kernel_to_<model>`` with ``rms_norm=True`` and every other
+  kernel off (RoPE, SwiGLU, cross entropy, fused linear cross entropy), so only the norms differ.
 
 each without compilation (``--compile none``) and under ``torch.compile(model)`` (``inductor``, default options).
 Liger replaces the norm classes at module level in transformers, so every (model, provider) pair runs in its
@@ -32,7 +38,8 @@ Expected duration of the default run on one H100: about 4-6 minutes. Six subproc
 transformers imports, CUDA init: ~10 s each); the inductor compilations of the forward and backward graphs
 dominate (~30-60 s per model and provider); a step takes tens of milliseconds, so the 3 + 20 steps per
 run add only a few seconds in all. Output: a markdown table on stdout and in ``--out``
-(default ``bench/results/<gpu-slug>/model_step.md``), and a JSON with every number next to it.
+(default ``bench/results/<gpu-slug>/model_step.md``, ``model_step_qwen3_next.md`` for ``--models qwen3_next``),
+and a JSON with every number next to it.
 """
 
 from __future__ import annotations
@@ -57,12 +64,13 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 
-MODELS = ("llama", "qwen3")
+MODELS = ("llama", "qwen3", "qwen3_next")
+DEFAULT_MODELS = ("llama", "qwen3")
 PROVIDERS = ("hf", "ours", "liger")
 COMPILE_MODES = ("none", "inductor")
 # Intermediate size as a multiple of hidden when --intermediate is not given: 5632 and 6144 at hidden 2048,
-# the ratios of TinyLlama-1.1B and Qwen3.
-INTERMEDIATE_RATIO = {"llama": 2.75, "qwen3": 3.0}
+# the ratios of TinyLlama-1.1B and Qwen3 (Qwen3-Next's config defaults to Llama's ratio).
+INTERMEDIATE_RATIO = {"llama": 2.75, "qwen3": 3.0, "qwen3_next": 2.75}
 LOSS_STEPS = 3
 SILENCE_ENV = "TILEGYM_RMS_SILENCE_EXPERIMENTAL"
 
@@ -89,7 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    p.add_argument("--models", type=_csv(MODELS), default=list(MODELS), help="comma list (default llama,qwen3)")
+    p.add_argument(
+        "--models",
+        type=_csv(MODELS),
+        default=list(DEFAULT_MODELS),
+        help=f"comma list of {','.join(MODELS)}\n(default {','.join(DEFAULT_MODELS)})",
+    )
     p.add_argument("--providers", type=_csv(PROVIDERS), default=list(PROVIDERS), help="default hf,ours,liger")
     p.add_argument("--compile", type=_csv(COMPILE_MODES), default=list(COMPILE_MODES), help="default none,inductor")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
@@ -98,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     p.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
-    p.add_argument("--intermediate", type=int, default=None, help="MLP size (default 2.75x hidden Llama, 3x Qwen3)")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP size (default 2.75x hidden; Qwen3 3x)")
     p.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
     p.add_argument("--head-dim", type=int, default=None, help="default hidden // heads (128 at the defaults)")
@@ -151,7 +164,7 @@ def _gpu_slug(name: str) -> str:
 def model_config(model: str, args: argparse.Namespace) -> dict:
     """The config fields this benchmark sets (the rest are transformers' defaults)."""
     intermediate = args.intermediate or int(round(INTERMEDIATE_RATIO[model] * args.hidden))
-    return {
+    config = {
         "vocab_size": args.vocab,
         "hidden_size": args.hidden,
         "intermediate_size": intermediate,
@@ -165,6 +178,18 @@ def model_config(model: str, args: argparse.Namespace) -> dict:
         # A training step does not need the KV cache; building one every forward only adds work.
         "use_cache": False,
     }
+    if model == "qwen3_next":
+        config.update(
+            # The released model's pattern: every fourth layer full attention, the others linear attention, whose
+            # value heads (one gated norm each) take the attention's head counts and head dim.
+            layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(args.layers)],
+            linear_num_value_heads=args.heads,
+            linear_num_key_heads=args.kv_heads,
+            linear_key_head_dim=args.head_dim,
+            linear_value_head_dim=args.head_dim,
+            mlp_only_layers=list(range(args.layers)),  # dense MLPs: the experts' Python loop is not what is timed
+        )
+    return config
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,7 +206,12 @@ def _build_model(model_name: str, args: argparse.Namespace, dtype, device):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    cfg_cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_name]
+    if model_name == "qwen3_next":
+        from transformers import Qwen3NextConfig  # transformers >= 4.57
+
+        cfg_cls = Qwen3NextConfig
+    else:
+        cfg_cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_name]
     cfg = cfg_cls(**model_config(model_name, args))
     # Built on the CPU from the seed, then moved: the weights depend only on the seed, not on the device or on
     # what ran before in the process.
@@ -203,7 +233,8 @@ def _checksum(model) -> float:
 
 
 def _count_norms(model) -> int:
-    return sum(1 for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
+    # Gated norms too (Qwen3-Next's Qwen3NextRMSNormGated).
+    return sum(1 for m in model.modules() if "RMSNorm" in type(m).__name__)
 
 
 def _liger_apply_fn(model_name: str):
@@ -584,13 +615,15 @@ def main(argv: list[str] | None = None) -> int:
     text = render_markdown(meta, results, args)
     print()
     print(text, end="")
+    # Another set of models gets a file of its own, so that it does not overwrite the default run's.
+    name = "model_step" if sorted(args.models) == sorted(DEFAULT_MODELS) else "_".join(["model_step", *args.models])
     if args.out is not None:
         md = args.out
     elif meta["cuda"]:
-        md = BENCH_DIR / "results" / _gpu_slug(meta["device_name"]) / "model_step.md"
+        md = BENCH_DIR / "results" / _gpu_slug(meta["device_name"]) / f"{name}.md"
     else:
         # A CPU run only tests the script: keep it out of bench/results/.
-        md = Path(tempfile.gettempdir()) / "tilegym_rms_bench_model" / "model_step.md"
+        md = Path(tempfile.gettempdir()) / "tilegym_rms_bench_model" / f"{name}.md"
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(text)
     settings = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "out"}
