@@ -544,6 +544,11 @@ def render_markdown(meta: dict, results: list[dict], args: argparse.Namespace) -
             f"- {m}: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, intermediate "
             f"{c['intermediate_size']}, heads {c['num_attention_heads']} (kv {c['num_key_value_heads']}), "
             f"head_dim {c['head_dim']}, vocab {c['vocab_size']}"
+            + (
+                f"; layers {'/'.join(t.split('_')[0] for t in c['layer_types'])} attention, dense MLPs"
+                if "layer_types" in c
+                else ""
+            )
         )
     lines += [
         "",
