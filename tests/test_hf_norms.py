@@ -1,8 +1,8 @@
 """Every RMSNorm class of the installed transformers (``tilegym_rms.integrations.hf.catalog``): swapped by
 ``apply_to_model`` with HF's own forward's bits (bf16, fp16, fp32, mixed weights; CPU) and gradients close to
 its math, or named with its reason in the one warning; weightless, optional-weight, cast-then-scale,
-zero-centred and gated norms among them. A training step of a small Qwen3-Next (gated and plain norms),
-patched, against HF's own.
+zero-centred and gated norms among them. A training step of a small Qwen3-Next and of a small Mamba2 (gated
+norms of each semantics beside plain ones), patched, against HF's own.
 """
 
 import copy
@@ -294,12 +294,12 @@ def test_swapped_gated_and_grouped_norms_compile_fullgraph_with_hf_bits(model, n
 
 
 # ----------------------------------------------------------------------------------------------
-# A training step of a small Qwen3-Next: gated norms in its linear-attention layers, Gemma-style ones elsewhere
+# A training step of small hybrid models, each semantics of the gated norm: Qwen3-Next normalizes before its gate
+# (gated norms in its linear-attention layers, Gemma-style ones elsewhere), Mamba2 gates first, in groups
 # ----------------------------------------------------------------------------------------------
 
 
 def qwen3_next(dtype, device="cpu"):
-    torch.manual_seed(0)
     config = transformers.Qwen3NextConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=64, max_position_embeddings=64, linear_num_value_heads=4, linear_num_key_heads=2,
@@ -307,12 +307,31 @@ def qwen3_next(dtype, device="cpu"):
         moe_intermediate_size=32, shared_expert_intermediate_size=32,
         layer_types=["linear_attention", "full_attention"],
     )  # fmt: skip
+    return random_norm_weights(config, dtype, device)
+
+
+def mamba2(dtype, device="cpu"):
+    # Two groups of 64 columns: the gated norm of each mixer normalizes per group.
+    config = transformers.Mamba2Config(
+        vocab_size=64, hidden_size=64, state_size=16, num_heads=8, head_dim=16, expand=2, n_groups=2,
+        num_hidden_layers=2, chunk_size=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    return random_norm_weights(config, dtype, device)
+
+
+def random_norm_weights(config, dtype, device):
+    torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(device, dtype)
     with torch.no_grad():
         for m in model.modules():
             if "RMSNorm" in type(m).__name__:
                 m.weight.add_(torch.randn_like(m.weight) * 0.3)
     return model
+
+
+# model builder: (norms swapped, of which gated): Qwen3-Next 2 per layer, q/k norms, the final one, 1 gated;
+# Mamba2 one per layer and the final one, 1 gated per mixer.
+MODELS = {"qwen3_next": (qwen3_next, 8, 1), "mamba2": (mamba2, 5, 2)}
 
 
 def train_step(model, ids):
@@ -325,14 +344,15 @@ def train_step(model, ids):
     return out
 
 
-def check_training(dtype, device, backend, exact, tol):
-    ref = qwen3_next(dtype, device)
+def check_training(name, dtype, device, backend, exact, tol):
+    build, swapped, gated = MODELS[name]
+    ref = build(dtype, device)
     model = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # every norm of the model is swapped
-        assert apply_to_model(model, backend=backend) == 8  # 2 per layer, q/k norms, the final one, 1 gated
-    assert sum(isinstance(m, TilegymHFGatedRMSNorm) for m in model.modules()) == 1
-    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+        assert apply_to_model(model, backend=backend) == swapped
+    assert sum(isinstance(m, TilegymHFGatedRMSNorm) for m in model.modules()) == gated
+    ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
     for step in range(2):
         out_ref, out = train_step(ref, ids), train_step(model, ids)
         if exact and step == 0:
@@ -345,16 +365,18 @@ def check_training(dtype, device, backend, exact, tol):
 
 
 @pytest.mark.filterwarnings("ignore:.*falling back to its reference PyTorch implementation")
-def test_qwen3_next_training_step_matches_hf_bf16():
+@pytest.mark.parametrize("name", MODELS)
+def test_training_step_matches_hf_bf16(name):
     # bf16: the first step's loss and logits are HF's bits; the second step starts from weights that the
     # backward (exact derivative of the fp32 math, not HF's rounded one) moved a few ulps apart.
-    check_training(torch.bfloat16, "cpu", "torch", exact=True, tol=2e-2)
+    check_training(name, torch.bfloat16, "cpu", "torch", exact=True, tol=2e-2)
 
 
 @pytest.mark.filterwarnings("ignore:.*falling back to its reference PyTorch implementation")
-def test_qwen3_next_training_step_matches_hf_fp32():
+@pytest.mark.parametrize("name", MODELS)
+def test_training_step_matches_hf_fp32(name):
     # The first step's loss and logits are HF's bits; later steps follow the exact derivative (see the bf16 test).
-    check_training(torch.float32, "cpu", "torch", exact=True, tol=1e-5)
+    check_training(name, torch.float32, "cpu", "torch", exact=True, tol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,6 +415,7 @@ def test_every_swapped_formula_on_gpu(entries, backend):
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:.*falling back to its reference PyTorch implementation")
-def test_qwen3_next_training_step_matches_hf_gpu():
+@pytest.mark.parametrize("name", MODELS)
+def test_training_step_matches_hf_gpu(name):
     # The kernels sum in another order than torch: a few bf16 ulps from HF's values (as test_hf's GPU model test).
-    check_training(torch.bfloat16, "cuda", None, exact=False, tol=5e-2)
+    check_training(name, torch.bfloat16, "cuda", None, exact=False, tol=5e-2)
