@@ -5,11 +5,14 @@ hidden 2048, intermediate 5632 (Llama) / 6144 (Qwen3), 16 heads (8 KV heads), he
 bf16 weights, SDPA attention, AdamW (fused on CUDA), sequence 2048, batch 2. A step is forward with
 ``labels=input_ids`` (HF's loss), backward, ``optimizer.step()`` and ``zero_grad``.
 
-``--models qwen3_next`` adds a hybrid Qwen3-Next: three linear-attention layers to one full-attention layer, as
-the released model, so its norms are gated ones (one per linear-attention layer, over each value head) beside
-zero-centred ones; every layer's MLP is dense (intermediate 5632), because HF's mixture of experts loops over
-experts in Python and would bury the norms. Its linear attention runs HF's torch implementation when the hub's
-kernels cannot be fetched, which is slow but the same for every provider. Liger replaces its plain norms only.
+Gated norms, each semantics: ``--models qwen3_next`` builds a hybrid Qwen3-Next, three linear-attention layers to
+one full-attention layer as the released model, so its norms are gated ones (one per linear-attention layer, over
+each value head) beside zero-centred ones; every layer's MLP is dense (intermediate 5632), because HF's mixture of
+experts loops over experts in Python and would bury the norms. Its linear attention runs HF's torch implementation
+when the hub's kernels cannot be fetched, which is slow but the same for every provider. Liger replaces its plain
+norms only. ``--models mamba2`` builds a Mamba2 (state-space mixers, expand 2, heads of ``--head-dim``,
+``--kv-heads`` groups: its gated norm gates first and normalizes per group of 512 columns at the defaults); HF's
+torch scan runs where mamba_ssm is not installed, and Liger has no Mamba2 patch.
 
 Providers, each on a fresh model built with the same seed (so the same weights; an init checksum is recorded):
 
@@ -38,7 +41,7 @@ Expected duration of the default run on one H100: about 4-6 minutes. Six subproc
 transformers imports, CUDA init: ~10 s each); the inductor compilations of the forward and backward graphs
 dominate (~30-60 s per model and provider); a step takes tens of milliseconds, so the 3 + 20 steps per
 run add only a few seconds in all. Output: a markdown table on stdout and in ``--out``
-(default ``bench/results/<gpu-slug>/model_step.md``, ``model_step_qwen3_next.md`` for ``--models qwen3_next``),
+(default ``bench/results/<gpu-slug>/model_step.md``, ``model_step_<models>.md`` for other ``--models``),
 and a JSON with every number next to it.
 """
 
@@ -64,7 +67,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 
-MODELS = ("llama", "qwen3", "qwen3_next")
+MODELS = ("llama", "qwen3", "qwen3_next", "mamba2")
 DEFAULT_MODELS = ("llama", "qwen3")
 PROVIDERS = ("hf", "ours", "liger")
 COMPILE_MODES = ("none", "inductor")
@@ -163,6 +166,20 @@ def _gpu_slug(name: str) -> str:
 
 def model_config(model: str, args: argparse.Namespace) -> dict:
     """The config fields this benchmark sets (the rest are transformers' defaults)."""
+    if model == "mamba2":
+        return {
+            "vocab_size": args.vocab,
+            "hidden_size": args.hidden,
+            "num_hidden_layers": args.layers,
+            "expand": 2,
+            "head_dim": args.head_dim,
+            "num_heads": 2 * args.hidden // args.head_dim,
+            "n_groups": args.kv_heads,  # the gated norm's groups: 2 * hidden / n_groups columns each
+            "state_size": 128,
+            "chunk_size": 256,
+            "tie_word_embeddings": False,
+            "use_cache": False,
+        }
     intermediate = args.intermediate or int(round(INTERMEDIATE_RATIO[model] * args.hidden))
     config = {
         "vocab_size": args.vocab,
@@ -210,16 +227,21 @@ def _build_model(model_name: str, args: argparse.Namespace, dtype, device):
         from transformers import Qwen3NextConfig  # transformers >= 4.57
 
         cfg_cls = Qwen3NextConfig
+    elif model_name == "mamba2":
+        from transformers import Mamba2Config
+
+        cfg_cls = Mamba2Config
     else:
         cfg_cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_name]
     cfg = cfg_cls(**model_config(model_name, args))
     # Built on the CPU from the seed, then moved: the weights depend only on the seed, not on the device or on
     # what ran before in the process.
     torch.manual_seed(args.seed)
+    attn = {} if model_name == "mamba2" else {"attn_implementation": "sdpa"}  # Mamba2 has no attention
     try:
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **attn)
     except TypeError:  # transformers < 4.56 names it torch_dtype
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype, **attn)
     model.to(device)
     model.train()
     return model
@@ -238,12 +260,15 @@ def _count_norms(model) -> int:
 
 
 def _liger_apply_fn(model_name: str):
-    """liger's apply function for the family; raises ImportError (with the reason) when liger cannot load."""
+    """liger's apply function for the family; raises ImportError (with the reason) when liger cannot load,
+    LookupError when it has no patch for the family."""
     module = importlib.import_module("liger_kernel.transformers")
     name = f"apply_liger_kernel_to_{model_name}"
     fn = getattr(module, name, None)
     if fn is None:  # older releases export them from monkey_patch only
-        fn = getattr(importlib.import_module("liger_kernel.transformers.monkey_patch"), name)
+        fn = getattr(importlib.import_module("liger_kernel.transformers.monkey_patch"), name, None)
+    if fn is None:
+        raise LookupError(f"liger_kernel has no {name}: it does not patch this model")
     return fn
 
 
@@ -435,6 +460,8 @@ def worker_main(args: argparse.Namespace) -> int:
     if provider == "liger":
         try:
             _liger_apply_fn(model_name)
+        except LookupError as exc:
+            skip = str(exc)
         except Exception as exc:  # noqa: BLE001 - any import failure means: not available here
             skip = f"liger_kernel not importable ({_short(exc)}); pip install liger-kernel"
         else:
@@ -523,6 +550,25 @@ def _add_comparisons(results: list[dict], rtol: float) -> None:
             r["speedup_vs_hf"] = base["median_ms"] / r["median_ms"]
 
 
+def _describe(c: dict) -> str:
+    """A model's config in one line of the report."""
+    if "n_groups" in c:  # Mamba2
+        width = c["expand"] * c["hidden_size"]
+        return (
+            f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, SSM heads {c['num_heads']} x "
+            f"{c['head_dim']}, state {c['state_size']}, gated norm over {width} columns in {c['n_groups']} groups, "
+            f"vocab {c['vocab_size']}"
+        )
+    text = (
+        f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, "
+        f"heads {c['num_attention_heads']} (kv {c['num_key_value_heads']}), head_dim {c['head_dim']}, "
+        f"vocab {c['vocab_size']}"
+    )
+    if "layer_types" in c:  # Qwen3-Next
+        text += f"; layers {'/'.join(t.split('_')[0] for t in c['layer_types'])} attention, dense MLPs"
+    return text
+
+
 def render_markdown(meta: dict, results: list[dict], args: argparse.Namespace) -> str:
     v = meta["versions"]
     lines = [
@@ -538,18 +584,7 @@ def render_markdown(meta: dict, results: list[dict], args: argparse.Namespace) -
         f"median of {args.steps} steps ({'CUDA events' if meta['cuda'] else 'wall clock'}).",
         "",
     ]
-    for m in args.models:
-        c = meta["configs"][m]
-        lines.append(
-            f"- {m}: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, intermediate "
-            f"{c['intermediate_size']}, heads {c['num_attention_heads']} (kv {c['num_key_value_heads']}), "
-            f"head_dim {c['head_dim']}, vocab {c['vocab_size']}"
-            + (
-                f"; layers {'/'.join(t.split('_')[0] for t in c['layer_types'])} attention, dense MLPs"
-                if "layer_types" in c
-                else ""
-            )
-        )
+    lines += [f"- {m}: {_describe(meta['configs'][m])}" for m in args.models]
     lines += [
         "",
         "| model | provider | compile | norms | median ms/step | tokens/s | vs hf | peak GiB | warm-up s "

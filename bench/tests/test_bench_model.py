@@ -1,5 +1,6 @@
-"""The training-step benchmark's Qwen3-Next model (bench/bench_model.py), on the CPU at a tiny size: it is hybrid
-as the released model, every norm of it is counted and swapped, and a step of ours matches HF's loss."""
+"""The training-step benchmark's gated-norm models (bench/bench_model.py), on the CPU at a tiny size: Qwen3-Next is
+hybrid as the released model, every norm of each model is counted and swapped, and a step of ours matches HF's
+loss."""
 
 import pytest
 import torch
@@ -27,14 +28,23 @@ def test_qwen3_next_is_hybrid_and_has_gated_norms():
     assert all(type(layer.mlp).__name__ == "Qwen3NextMLP" for layer in model.model.layers)  # dense
 
 
+def test_mamba2_gated_norms_in_groups():
+    args = bench_model.parse_args([*TINY, "--models", "mamba2"])
+    model = bench_model._build_model("mamba2", args, torch.float32, torch.device("cpu"))
+    gated = [m for m in model.modules() if type(m).__name__ == "MambaRMSNormGated"]
+    assert len(gated) == 4 and all(m.group_size == 64 for m in gated)  # 2 x 64 columns / --kv-heads 2 groups
+    assert bench_model._count_norms(model) == 4 + 4 + 1  # gated, per-layer and final norms
+
+
 @pytest.mark.filterwarnings("ignore:.*falling back to its reference PyTorch implementation")
-def test_qwen3_next_step_of_ours_matches_hf():
-    args = bench_model.parse_args([*TINY, "--models", "qwen3_next"])
+@pytest.mark.parametrize(("name", "norms"), [("qwen3_next", 14), ("mamba2", 9)])
+def test_step_of_ours_matches_hf(name, norms):
+    args = bench_model.parse_args([*TINY, "--models", name])
     cpu = torch.device("cpu")
-    hf = bench_model._run_mode("qwen3_next", "hf", "none", args, cpu)
-    ours = bench_model._run_mode("qwen3_next", "ours", "none", args, cpu)
-    assert (hf["norms_total"], hf["norms_replaced"]) == (13 + 1, 0)
-    assert (ours["norms_total"], ours["norms_replaced"]) == (14, 14)
+    hf = bench_model._run_mode(name, "hf", "none", args, cpu)
+    ours = bench_model._run_mode(name, "ours", "none", args, cpu)
+    assert (hf["norms_total"], hf["norms_replaced"]) == (norms, 0)
+    assert (ours["norms_total"], ours["norms_replaced"]) == (norms, norms)
     assert ours["init_checksum"] == hf["init_checksum"]  # the same weights
     # fp32 on the CPU: the first loss is HF's to rounding; the second follows one step of both backwards.
     assert ours["losses"][0] == pytest.approx(hf["losses"][0], rel=1e-6)
