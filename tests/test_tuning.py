@@ -132,14 +132,14 @@ def swept_dtypes(doc) -> set[str]:
 
 
 def test_overlay_keeps_the_heuristics_switches_and_applies_measured_winners():
-    """A sweep at M buckets 4096 and 32768 laid over the analytic table: below 4096 and wherever the
-    heuristics change their choice between measured buckets the analytic choice stays; elsewhere the
-    measured winner holds, including above the last measured bucket."""
+    """A sweep at M buckets 4096 and 32768 (different winners) laid over the analytic table: below 4096 and
+    wherever the heuristics change their choice between measured buckets the analytic choice stays;
+    elsewhere the measured winner holds, including above the last measured bucket."""
     sms, n, dtype = 132, 4096, torch.bfloat16
     base = build.analytic_doc("sm90_132sm", "test", (9, 0), sms, "test")
     sweep = build.new_doc("sm90_132sm", "test", (9, 0), sms, "measured", "sweep")
     fancy = {m: asdict(config.forward_candidate(m, n, dtype, sms, "persistent")) for m in (4096, 32768)}
-    fancy = {m: {**c, "blocks_per_sm": c["blocks_per_sm"] * 2} for m, c in fancy.items()}
+    fancy = {m: {**c, "blocks_per_sm": c["blocks_per_sm"] * (2 if m == 4096 else 4)} for m, c in fancy.items()}
     build.set_runs(sweep, "forward", "bf16", n, [{"m": m, "winner": c, "gbps": {"x": 1.0}} for m, c in fancy.items()])
     table = tuning.load(build.overlay(base, sweep))
     analytic = {m: asdict(config.forward_candidate(m, n, dtype, sms)) for m in tuning.M_BUCKETS}
@@ -154,6 +154,23 @@ def test_overlay_keeps_the_heuristics_switches_and_applies_measured_winners():
     assert analytic[16384] != analytic[4096] and asdict(table.lookup("forward", 16384, n, dtype)) == analytic[16384]
     assert asdict(table.lookup("forward", 1 << 22, n, dtype)) == fancy[32768]
     assert table.lookup("forward", 4096, 1024, dtype) == config.forward_candidate(4096, 1024, dtype, sms)
+
+
+def test_overlay_keeps_a_winner_two_measured_buckets_agree_on():
+    """The same winner measured at 4096 and 32768 rows holds between them, where the heuristics would switch
+    to the gather kernel (at 16384): the sweep timed that kernel at 32768 too and it lost. Below the first
+    measured bucket the analytic choice stays."""
+    sms, n, dtype = 132, 4096, torch.bfloat16
+    base = build.analytic_doc("sm90_132sm", "test", (9, 0), sms, "test")
+    sweep = build.new_doc("sm90_132sm", "test", (9, 0), sms, "measured", "sweep")
+    winner = asdict(config.forward_candidate(4096, n, dtype, sms, "persistent"))
+    winner = {**winner, "blocks_per_sm": winner["blocks_per_sm"] * 2}
+    build.set_runs(sweep, "forward", "bf16", n, [{"m": m, "winner": winner, "gbps": {"x": 1.0}} for m in (4096, 32768)])
+    table = tuning.load(build.overlay(base, sweep))
+    assert config.forward_candidate(16384, n, dtype, sms).kernel == "gather"
+    for m in tuning.M_BUCKETS:
+        got = asdict(table.lookup("forward", m, n, dtype))
+        assert got == (winner if m >= 4096 else asdict(config.forward_candidate(m, n, dtype, sms))), m
 
 
 def test_overlay_keeps_the_bases_measurements_nearer_than_the_sweeps():
@@ -727,7 +744,8 @@ def test_overlay_of_a_fused_sweep_follows_the_forward_entry_elsewhere():
     build.set_runs(fwd_sweep, "forward", "bf16", n, [{"m": 4096, "winner": measured_fwd, "gbps": {"a": 1.0}}])
     shipped_like = build.overlay(base, fwd_sweep)
     sweep = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep 2")
-    fused = {m: {**asdict(config.forward_candidate(m, n, BF16, SMS, "persistent")), "tile_m": 8} for m in (4096, 32768)}
+    fused = {m: asdict(config.forward_candidate(m, n, BF16, SMS, "persistent")) for m in (4096, 32768)}
+    fused = {m: {**c, "tile_m": 8 if m == 4096 else 16} for m, c in fused.items()}  # two winners: no agreement
     build.set_runs(
         sweep, "fused_forward", "bf16", n, [{"m": m, "winner": c, "gbps": {"b": 1.0}} for m, c in fused.items()]
     )
@@ -842,16 +860,17 @@ def test_overlay_of_a_qk_sweep_keeps_the_heuristics_where_they_change():
     base = build.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
     assert not base["qk"]  # absence means the heuristics
     sweep = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
-    runs = [{"m": m, "winner": asdict(QK_ODD), "gbps": {"fwd 1r b1 o0": 1.0}} for m in (4096, 1 << 20)]
+    odd = {4096: QK_ODD, 1 << 20: replace(QK_ODD, bwd_occupancy=2)}  # two winners: no agreement between them
+    runs = [{"m": m, "winner": asdict(c), "gbps": {"fwd 1r b1 o0": 1.0}} for m, c in odd.items()]
     build.set_runs(sweep, "qk", "bf16", 64, runs)
     table = tuning.load(build.overlay(base, sweep))
     for m in tuning.M_BUCKETS:
         got, analytic = table.lookup("qk", m, 64, BF16), config.qk_candidate(m, 64, BF16, SMS)
-        ref = max([r for r in (4096, 1 << 20) if r <= m], default=None)
+        ref = max([r for r in odd if r <= m], default=None)
         stays = ref is not None and analytic == config.qk_candidate(ref, 64, BF16, SMS)
-        assert got == (QK_ODD if stays else analytic), m
+        assert got == (odd[ref] if stays else analytic), m
     assert table.lookup("qk", 8192, 64, BF16) != QK_ODD  # the heuristics' tile grows with the rows there
-    assert table.lookup("qk", 1 << 22, 64, BF16) == QK_ODD
+    assert table.lookup("qk", 1 << 22, 64, BF16) == odd[1 << 20]
 
 
 # --- the sweep (bench/tools/tune_table.py) for the fused forward and qk, without a GPU ---

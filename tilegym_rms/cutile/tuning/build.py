@@ -401,9 +401,10 @@ def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dic
 def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
     """A sparse sweep (a few M buckets) laid over ``base`` (the analytic table, or a shipped table whose
     other entries must stay), M bucket by M bucket: a measured winner stands for the buckets above its own
-    only while the base's choice there stays the one it was measured against (so M buckets where the
-    heuristics switch kernel, e.g. to the gather forward at many rows, keep their switch), and buckets
-    below the first measured one keep the base's choice. For an op without a base entry the base is what
+    while the base's choice there stays the one it was measured against (so M buckets where the
+    heuristics switch kernel, e.g. to the gather forward at many rows, keep their switch), or where the
+    sweep's next measured bucket chose the same winner (two measurements that agree outrank a switch the
+    base only predicts between them), and buckets below the first measured one keep the base's choice. For an op without a base entry the base is what
     the host would fall back to: the fused forward the forward's entry (already overlaid), the qk op and
     the rest the analytic heuristics. Entries the sweep did not measure stay as in ``base``, and so do the
     base's own measured runs at M buckets the sweep did not measure: a sweep winner stands for the buckets
@@ -424,7 +425,14 @@ def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
                     ref = below[-1] if below else None
                     if ref is not None and any(ref["m"] < p <= m_b for p in base_points):
                         ref = None  # the base measured a bucket nearer to this one: its choice stands
-                    if ref is not None and _winner_at(ref_runs, m_b) == _winner_at(ref_runs, ref["m"]):
+                    above = next((r for r in measured_runs if r["m"] > m_b), None)
+                    agreed = (
+                        ref is not None
+                        and above is not None
+                        and above["winner"] == ref["winner"]
+                        and not any(ref["m"] < p < above["m"] for p in base_points)
+                    )
+                    if ref is not None and (agreed or _winner_at(ref_runs, m_b) == _winner_at(ref_runs, ref["m"])):
                         winner = ref["winner"]
                     else:
                         winner = _winner_at(ref_runs, m_b)
