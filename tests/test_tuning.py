@@ -2,6 +2,7 @@
 and the sweep's pure parts (bench/tools/tune_table.py), all on the CPU."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -415,10 +416,11 @@ def card(monkeypatch):
     """A CUDA device as ``device_key`` asks it (capability, SM count, name), on the CPU; returns the setter."""
     from tilegym_rms.cutile import launch
 
-    def set_card(name, capability=(9, 0), sms=SMS):
+    def set_card(name, capability=(9, 0), sms=SMS, peak_gbps=None):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: name)
         monkeypatch.setattr(launch, "num_sms", lambda index: sms)
+        monkeypatch.setattr(tuning, "memory_gbps", lambda index: peak_gbps)
 
     with tuning.use_table("packaged"):
         yield set_card
@@ -446,8 +448,13 @@ def test_describe_names_the_table_and_the_cards_it_was_measured_on(card, tmp_pat
     assert tuning.describe(0) == (
         f"sm90_132sm.nvidia-h200 (shipped; measured on NVIDIA H200, entries not measured there from {H100})"
     )
-    card("NVIDIA GH200 480GB")
-    assert tuning.describe(0) == f"sm90_132sm (shipped; measured on {H100})"
+    card("NVIDIA GH200 480GB")  # no table of its own, its peak unknown: the class's
+    assert tuning.describe(0) == f"sm90_132sm (shipped, the class's; measured on {H100})"
+    card("NVIDIA H200 NVL", peak_gbps=4800.0)
+    assert tuning.describe(0) == (
+        "sm90_132sm.nvidia-h200 (shipped, for the class's card nearest to this one's 4800 GB/s peak; "
+        f"measured on NVIDIA H200, entries not measured there from {H100})"
+    )
     card("NVIDIA B200", (10, 0), 148)
     assert tuning.describe(0) == "none for sm100_148sm: the analytic heuristics"
     path = tmp_path / "analytic.json"
@@ -456,6 +463,49 @@ def test_describe_names_the_table_and_the_cards_it_was_measured_on(card, tmp_pat
         assert tuning.describe(0) == "sm100_148sm (set by the user; the analytic heuristics written out)"
     with tuning.use_table("off"):
         assert tuning.describe(0) == "off: the analytic heuristics"
+
+
+@pytest.mark.parametrize(
+    "name,peak_gbps,key",
+    [
+        ("NVIDIA H200 NVL", 4800.0, "sm90_132sm.nvidia-h200"),  # an H200's chip and memory at another power
+        ("NVIDIA GH200 144G HBM3e", 4900.0, "sm90_132sm.nvidia-h200"),
+        ("NVIDIA GH200 480GB", 4000.0, "sm90_132sm"),  # HBM3 at 4 TB/s: nearer the H100's 3.35
+        ("NVIDIA H100 NVL", 3900.0, "sm90_132sm"),
+        ("NVIDIA H800", 3352.0, "sm90_132sm"),
+        ("NVIDIA GH200 480GB", None, "sm90_132sm"),  # peak unknown: the class's table
+    ],
+)
+def test_a_card_without_its_own_table_runs_the_nearest_in_memory_bandwidth(card, name, peak_gbps, key):
+    """Of the tables shipped for the class, the one whose card's measured copy rate is nearest to what this card's
+    peak predicts: the chip is the class's, the memory is what moves the winners."""
+    card(name, peak_gbps=peak_gbps)
+    assert tuning.table_for(0) is tuning.packaged(key) is not None
+    copies = {k: tuning.packaged(k).doc["copy_gbps"] for k in ("sm90_132sm", "sm90_132sm.nvidia-h200")}
+    assert copies["sm90_132sm.nvidia-h200"] > 1.3 * copies["sm90_132sm"]  # the two cards differ that much
+
+
+def test_nearest_table_keeps_the_class_table_without_measured_rates(monkeypatch):
+    doc = build.analytic_doc("sm90_132sm", "test", (9, 0), SMS, "test")
+    analytic = tuning.Table(doc)
+    monkeypatch.setattr(tuning, "packaged_keys", lambda: ["sm90_132sm"])
+    monkeypatch.setattr(tuning, "packaged", lambda key: analytic if key == "sm90_132sm" else None)
+    assert "copy_gbps" not in doc
+    assert tuning.nearest_table("sm90_132sm", 4800.0) is analytic
+    assert tuning.nearest_table("sm100_148sm", 8000.0) is None
+
+
+@pytest.mark.gpu
+def test_the_peak_torch_reports_predicts_this_cards_copy_rate():
+    """The bandwidth rule's premise on real hardware: the peak from the memory clock and bus width, times
+    COPY_SHARE, lands near the copy rate the card's own table measured (where one ships)."""
+    tuning.memory_gbps.cache_clear()
+    peak = tuning.memory_gbps(0)
+    assert peak is not None and 1000 < peak < 20000, peak
+    table = tuning.packaged(tuning.device_key(0))
+    if table is None or not table.doc.get("copy_gbps"):
+        pytest.skip(f"no table of this card's own with a measured copy rate ({tuning.device_key(0)})")
+    assert abs(math.log(table.doc["copy_gbps"] / (tuning.COPY_SHARE * peak))) < 0.08, (peak, table.doc["copy_gbps"])
 
 
 def test_a_card_without_its_own_table_runs_its_classs(card, monkeypatch):

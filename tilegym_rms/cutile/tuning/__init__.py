@@ -5,7 +5,8 @@ H100 SXM). ``<key>.json`` here is the table the host uses on such a device; a de
 shape outside a table's buckets, gets the analytic heuristics (:mod:`..config`). A class table names the card
 it was measured on; another card of the class (an H200 has an H100 SXM's key) is keyed
 ``<key>.<card>`` (``sm90_132sm.nvidia-h200``, :func:`card_key`) and runs ``<key>.<card>.json`` where one ships,
-else its class's table.
+else the class's shipped table whose card is nearest to it in memory bandwidth (:func:`nearest_table`: an
+H200 NVL or a GH200 with HBM3e takes the H200's, an H800 or an H100 NVL the H100's).
 
 Buckets. ``N``: 64 and 96 (QK-norm head dims), every multiple of 128 up to 8192, then multiples of 1024 up
 to 16384, of 4096 up to 32768 and of 8192 up to 65536 (:data:`N_BUCKETS`); an N between two bucket points
@@ -66,6 +67,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 import re
 from dataclasses import fields
@@ -341,6 +343,37 @@ def class_of(key: str) -> str:
     return key.split(".")[0]
 
 
+# A copy kernel's share of the DRAM peak on the cards the shipped tables were measured on (H100 SXM: 3016 of
+# 3352 GB/s, 0.90; H200: 4269 of 4800, 0.89): what a card of a given peak is expected to copy.
+COPY_SHARE = 0.89
+
+
+@functools.cache
+def memory_gbps(device_index: int) -> float | None:
+    """A CUDA device's DRAM peak in GB/s, from its memory clock (kHz) and bus width (bits), double data rate;
+    None where torch does not report them."""
+    props = torch.cuda.get_device_properties(device_index)
+    khz, bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * khz * bits / 8 / 1e6 if khz and bits else None
+
+
+def nearest_table(class_key_: str, peak_gbps: float | None) -> Table | None:
+    """For a card without a table of its own: of the tables shipped for its class (the class's and its cards'),
+    the one whose card copies nearest, by ratio, to what a card of ``peak_gbps`` would (``COPY_SHARE`` of it).
+    A class shares the chip; what differs is the memory, and with it which launches win (an H200 copies 40%
+    faster than an H100 SXM, and its table differs at most widths: PERFORMANCE.md, "Tuning tables"). The
+    class's own table where the peak is unknown."""
+    own = packaged(class_key_)
+    if peak_gbps is None:
+        return own
+    tables = [packaged(k) for k in packaged_keys() if class_of(k) == class_key_]
+    measured = [t for t in tables if t is not None and t.doc.get("copy_gbps")]
+    if not measured:
+        return own
+    want = COPY_SHARE * peak_gbps
+    return min(measured, key=lambda t: (abs(math.log(t.doc["copy_gbps"] / want)), t.key))
+
+
 def device_key(device_index: int) -> str:
     """The key of a device's table (:func:`card_key`)."""
     from ..launch import num_sms
@@ -375,9 +408,9 @@ def table_for(device_index: int) -> Table | None:
         return None
     if choice == _PACKAGED:
         key = device_key(device_index)
-        # A card with no table of its own runs its class's (measured on another card of the class) rather than
-        # the heuristics: the same chip, other memory.
-        return packaged(key) or packaged(class_of(key))
+        # A card with no table of its own runs one measured on another card of its class rather than the
+        # heuristics: the same chip, other memory.
+        return packaged(key) or nearest_table(class_of(key), memory_gbps(device_index))
     return choice
 
 
@@ -397,7 +430,13 @@ def describe(device_index: int) -> str:
         where = f"measured on {doc['device'].get('name') or 'an unnamed card'}"
         if doc.get("based_on"):
             where += f", entries not measured there from {doc['based_on'].get('name') or doc['based_on']['key']}"
-    return f"{table.key} ({'shipped' if choice == _PACKAGED else 'set by the user'}; {where})"
+    how = "set by the user"
+    if choice == _PACKAGED:
+        how = "shipped"
+        if table.key != device_key(device_index):  # another card's (nearest_table)
+            peak = memory_gbps(device_index)
+            how += f", for the class's card nearest to this one's {peak:.0f} GB/s peak" if peak else ", the class's"
+    return f"{table.key} ({how}; {where})"
 
 
 class use_table:  # noqa: N801 - used like a function, as torch.set_grad_enabled is
