@@ -399,17 +399,17 @@ def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dic
 
 
 def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
-    """A sparse sweep (a few M buckets) laid over ``base`` (the analytic table, or a shipped table whose
-    other entries must stay), M bucket by M bucket: a measured winner stands for the buckets above its own
-    while the base's choice there stays the one it was measured against (so M buckets where the
-    heuristics switch kernel, e.g. to the gather forward at many rows, keep their switch), or where the
-    sweep's next measured bucket chose the same winner (two measurements that agree outrank a switch the
-    base only predicts between them), and buckets below the first measured one keep the base's choice. For an op without a base entry the base is what
-    the host would fall back to: the fused forward the forward's entry (already overlaid), the qk op and
-    the rest the analytic heuristics. Entries the sweep did not measure stay as in ``base``, and so do the
-    base's own measured runs at M buckets the sweep did not measure: a sweep winner stands for the buckets
-    above its own only up to the next bucket either table measured. At a bucket the sweep measured, the
-    winner the base launched there stays unless the sweep's beats it by ``min_gain`` (:func:`_incumbent_kept`)."""
+    """A sparse sweep (a few M buckets) laid over ``base`` (the analytic table, or a shipped table whose other entries
+    must stay), M bucket by M bucket: a measured winner stands for the buckets above its own while the base's choice
+    there stays the one it was measured against (so M buckets where the heuristics switch kernel, e.g. to the gather
+    forward at many rows, keep their switch), or where the sweep's next measured bucket chose the same winner (two
+    measurements that agree outrank a switch the base only predicts between them), and buckets below the first
+    measured one keep the base's choice. For an op without a base entry the base is what the host would fall back
+    to: the fused forward the forward's entry (already overlaid), the qk op and the rest the analytic heuristics.
+    Entries the sweep did not measure stay as in ``base``, and so do the base's own measured runs at M buckets the
+    sweep did not measure: a sweep winner stands for the buckets above its own only up to the next bucket either
+    table measured. At a bucket the sweep measured, the winner the base launched there stays unless the sweep's
+    beats it by ``min_gain`` (:func:`_incumbent_kept`)."""
     out = merge(base, {**sweep, **{op: {} for op in OPS}})
     for op in OPS:  # in order: the forward is overlaid before the fused forward falls back to it
         for dt, by_n in sweep.get(op, {}).items():
