@@ -50,6 +50,7 @@ FUSED_ADD_N = (2048, 4096, 5120, 8192)
 QUICK_FUSED_ADD_M = (4096,)
 QUICK_FUSED_ADD_N = (2048, 8192)
 FUSED_ADD_OPS = ("fused_add_fwd", "fused_add_bwd")
+HELDOUT_OPS = GRID_MEASURES + FUSED_ADD_OPS  # the plain norm's and the fused add's, on every held-out shape
 # QK-norm: M rows of q (k has M/4: base.QK_HEADS) x head dim N, unless --M/--N name others.
 QK_NORM_DTYPE = "bf16"
 QK_NORM_M = tuple(1 << e for e in range(14, 23, 2))
@@ -136,10 +137,11 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              bf16 or an fp32 gate. fwd under torch.no_grad(); traffic = read x, z, w + write y. bwd: the
              forward graph is built OUTSIDE the timed region, the timed call is torch.autograd.grad(y, (x, z,
              w), dy, retain_graph=True); traffic = read x, z, dy, w, rstd (fp32 per group) + write dx, dz, dw.
-  heldout    the held-out shapes: forward, backward and full (as above) on exactly the (M, N, dtype)
-             shapes of bench/heldout.json, which no tuning run may use (--dtype/--M/--N do not apply);
-             default providers add quack. Written to <out>/heldout.json, not rms_norm.json;
-             bench/heldout_report.py reads it against the performance targets.
+  heldout    the held-out shapes: forward, backward and full, and the fused add's fused_add_fwd and
+             fused_add_bwd (as above, with the fused add's providers), on exactly the (M, N, dtype) shapes of
+             bench/heldout.json, which no tuning run may use (--dtype/--M/--N do not apply); default
+             providers add quack. Written to <out>/heldout.json, not rms_norm.json; bench/heldout_report.py
+             reads it against the performance targets.
   An explicit --dtype also applies to latency, ascend-rs, large, fused_add, qk_norm, fp8 and gated; --M/--N
   only to the grid measures, fused_add, qk_norm, fp8 and gated.
 
@@ -220,7 +222,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, str, list[tuple[str, 
             out.append((measure, measure, "grid", grid_configs(args.dtype, args.M, args.N)))
             continue
         if measure == "heldout":
-            out += [(measure, op, measure, base.heldout_configs()) for op in GRID_MEASURES]
+            out += [(measure, op, measure, base.heldout_configs()) for op in HELDOUT_OPS]
             continue
         if measure in OWN_GRIDS:
             dtype, ms, ns, quick_ms, quick_ns, ops = OWN_GRIDS[measure]
@@ -308,7 +310,8 @@ def split_providers(args: argparse.Namespace) -> None:
     the FP8 ops of fp8 and latency (fp8_providers) and gated (gated_providers); without --providers each list has
     its own default. A list is empty when no measure needs it."""
     rms = [m for m in args.measure if m not in ("fused_add", "qk_norm", "fp8", "gated")]
-    fused, qk, gated_norm = "fused_add" in args.measure, "qk_norm" in args.measure, "gated" in args.measure
+    fused = "fused_add" in args.measure or "heldout" in args.measure  # the held-out set has the fused add too
+    qk, gated_norm = "qk_norm" in args.measure, "gated" in args.measure
     fp8 = "fp8" in args.measure or "latency" in args.measure
     if args.explicit_providers:
         args.rms_providers = list(args.providers) if rms else []

@@ -6,10 +6,12 @@
     git show REV:bench/results/h100/rms_norm.json > /tmp/old.json
     python -m bench.heldout_report --grid --baseline /tmp/old.json    # plus: what regressed since REV
 
-Per shape and op: ours (tilegym_rms-cutile) in GB/s with its share of the copy bandwidth measured in the same
-run, the best peer (every provider that is not one of tilegym_rms's: torch, torch.compile, Liger, TileGym,
-quack), their ratio, and each performance target: where M*N >= 2^22, forward >= 0.98x and backward >= 1.0x the
-best peer; where M*N >= 2^25, >= 92% of the copy bandwidth (forward and backward; full is shown, not judged).
+Per shape and op (the plain norm's forward, backward and full; the fused add's fused_add_fwd and fused_add_bwd):
+ours (tilegym_rms-cutile) in GB/s with its share of the copy bandwidth measured in the same run, the best peer
+(every provider that is not one of tilegym_rms's: torch, torch.compile, Liger, TileGym, quack), their ratio, and
+each performance target: where M*N >= 2^22, a forward >= 0.98x and a backward >= 1.0x the best peer; where
+M*N >= 2^25, >= 92% of the copy bandwidth (forwards and backwards; full is shown, not judged). With --grid the
+fused_add measure's grid is judged beside the plain grid.
 A target is "n/a" below its size or for an op it does not name, "no data" where ours or every peer is absent;
 a failed float64 check of ours ('!') misses it. Expected peers that are absent are listed. With --baseline,
 the last target too: no shape of both runs may lose more than 2% of ours' share of the copy bandwidth
@@ -32,9 +34,11 @@ from bench.tools import make_results
 
 OURS = "tilegym_rms-cutile"
 EXPECTED_PEERS = ("torch", "torch.compile", "liger", "tilegym", "quack")
-OPS = bench_rmsnorm.GRID_MEASURES
-SUITES = ("heldout", "grid")
-PEER_TARGET = {"forward": 0.98, "backward": 1.0}  # ours / best peer, where M*N >= PEER_MIN_ELEMS
+FUSED_ADD_PEERS = ("torch", "torch.compile", "liger", "quack")  # TileGym has no fused add
+OPS = bench_rmsnorm.HELDOUT_OPS
+SUITES = ("heldout", "grid", "fused_add")
+# ours / best peer, where M*N >= PEER_MIN_ELEMS
+PEER_TARGET = {"forward": 0.98, "backward": 1.0, "fused_add_fwd": 0.98, "fused_add_bwd": 1.0}
 PEER_MIN_ELEMS = 1 << 22
 COPY_TARGET = 0.92  # ours / copy bandwidth, for the ops of PEER_TARGET, where M*N >= COPY_MIN_ELEMS
 COPY_MIN_ELEMS = 1 << 25
@@ -89,8 +93,8 @@ class Row:
 
 
 def measurements(recs: list[dict]) -> dict[tuple, dict[str, Value]]:
-    """(suite, dtype, M, N, op) -> provider -> its median GB/s, over the throughput records of the RMSNorm
-    forward, backward and full of the held-out and grid suites (other suites and metrics are left out)."""
+    """(suite, dtype, M, N, op) -> provider -> its median GB/s, over the throughput records of the ops of
+    :data:`OPS` in the held-out, grid and fused-add suites (other suites and metrics are left out)."""
     out: dict[tuple, dict[str, Value]] = {}
     for rec in recs:
         cfg = json.loads(rec["extra_benchmark_config_str"])
@@ -116,7 +120,8 @@ def report_rows(recs: list[dict]) -> list[Row]:
     for (suite, dtype, m, n, op), by in measurements(recs).items():
         peers = {p: v for p, v in by.items() if not p.startswith("tilegym_rms-")}
         best_peer = max(peers, key=lambda p: peers[p].gbps, default=None)
-        missing = [p for p in EXPECTED_PEERS if p not in peers]
+        expected = FUSED_ADD_PEERS if op in bench_rmsnorm.FUSED_ADD_OPS else EXPECTED_PEERS
+        missing = [p for p in expected if p not in peers]
         rows.append(Row(suite, dtype, m, n, op, by.get(OURS), best_peer, peers.get(best_peer), missing))
 
     def order(r: Row) -> tuple:
@@ -211,7 +216,7 @@ def render_regressions(compared: int, worse: list[tuple[tuple, float]]) -> str:
 
 def render(rows: list[Row], markdown: bool = False) -> str:
     if not rows:
-        return "no held-out or grid forward/backward/full throughput records"
+        return "no held-out, grid or fused-add throughput records"
     body = [cells(r) for r in rows]
     if markdown:
         table = make_results.markdown_table(HEADERS, body)

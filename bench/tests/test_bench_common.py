@@ -491,17 +491,20 @@ def _heldout_plan(argv):
 
 
 def test_heldout_measure_plans_exactly_the_heldout_shapes(capsys):
-    """forward, backward and full on each shape of bench/heldout.json with its own dtype (--dtype/--M/--N do
-    not reach it), beside quack; every input rotation streams from HBM (> 4x L2) without being capped."""
+    """forward, backward and full, and the fused add both ways, on each shape of bench/heldout.json with its own
+    dtype (--dtype/--M/--N do not reach it), beside quack; every input rotation streams from HBM (> 4x L2)
+    without being capped."""
     shapes = json.loads((Path(__file__).resolve().parents[1] / "heldout.json").read_text())["shapes"]
     expected = [(s["dtype"], s["m"], s["n"]) for s in shapes]
     for extra in ([], ["--dtype", "fp32", "--M", "64", "--N", "128"], ["--quick"]):
         args, steps = _heldout_plan(["--measure", "heldout", *extra])
         assert [(measure, op, suite) for measure, op, suite, _ in steps] == [
-            ("heldout", op, "heldout") for op in ("forward", "backward", "full")
+            ("heldout", op, "heldout") for op in ("forward", "backward", "full", "fused_add_fwd", "fused_add_bwd")
         ]
         assert all(configs == expected for *_, configs in steps)
     assert "quack" in args.rms_providers and "quack" not in _heldout_plan(["--measure", "forward"])[0].rms_providers
+    assert "quack" in args.fused_providers and "tilegym_rms-unfused" in args.fused_providers
+    assert not _heldout_plan(["--measure", "forward"])[0].fused_providers
     assert "quack" in _heldout_plan(["--measure", "large"])[0].rms_providers
     for l2 in (50 * 2**20, 60 * 2**20):  # H100, H200
         for _, op, _, configs in steps:
@@ -511,7 +514,7 @@ def test_heldout_measure_plans_exactly_the_heldout_shapes(capsys):
                 assert not capped and sets * one > base.L2_FACTOR * l2 and (sets - 1) * one <= base.L2_FACTOR * l2
     assert bench_rmsnorm.main(["--measure", "heldout", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "bf16 M=2500 N=16384" in out and "fp16 M=700001 N=128" in out and "total configurations: 48" in out
+    assert "bf16 M=2500 N=16384" in out and "fp16 M=700001 N=128" in out and "total configurations: 80" in out
 
 
 def test_heldout_measure_writes_its_own_file(tmp_path, monkeypatch, capsys):
@@ -539,7 +542,7 @@ def test_heldout_measure_writes_its_own_file(tmp_path, monkeypatch, capsys):
         for r in held
         for x in r["x_values"]
     }
-    ops = ("forward", "backward", "full")
+    ops = ("forward", "backward", "full", "fused_add_fwd", "fused_add_bwd")
     assert measured == {(op, s["dtype"], f"{s['m']}x{s['n']}") for op in ops for s in shapes}
     assert {r["kernel_provider"] for r in held} == {"tilegym_rms-torch", "torch"}
     assert all(not r["mismatch_x_values"] for r in held)

@@ -97,7 +97,7 @@ def test_grid_file_and_exit_code(tmp_path, capsys):
     assert "forward ≥ 0.98× the best peer (M·N ≥ 2^22): met at 2 of 2 shapes" in out  # 2900 / 2950 = 0.983
     assert hr.main([str(tmp_path / "absent.json")]) == 0
     captured = capsys.readouterr()
-    assert "absent.json: not read" in captured.err and "no held-out or grid" in captured.out
+    assert "absent.json: not read" in captured.err and "no held-out, grid or fused-add" in captured.out
 
 
 def test_regressions_compare_shares_of_copy_against_a_baseline():
@@ -116,3 +116,31 @@ def test_regressions_compare_shares_of_copy_against_a_baseline():
     assert [key for key, _ in worse] == [("grid", "bf16", 8192, 4096, "forward")]
     assert worse[0][1] == pytest.approx((2800.0 / 1.01) / 2900.0)
     assert "1 of 2 shapes lost more than 2%" in hr.render_regressions(compared, worse)
+
+
+def test_the_fused_add_is_judged_as_a_forward_and_a_backward():
+    """The fused add's ops on a held-out shape and on the fused_add measure's grid: its forward against 0.98x the
+    best peer and its backward against 1.0x, both against 92% of copy from 2^25 elements; TileGym, which has no
+    fused add, is not expected beside it."""
+    fused_peers = ("torch", "torch.compile", "liger", "quack")
+    pts = []
+    for suite in ("heldout", "fused_add"):
+        for op, ours in (("fused_add_fwd", 990.0), ("fused_add_bwd", 995.0)):
+            pts += [point("tilegym_rms-cutile", op, 2048, 4096, ours, suite=suite)]
+            pts += [point(p, op, 2048, 4096, 1000.0 if p == "quack" else 500.0, suite=suite) for p in fused_peers]
+    pts += [point("tilegym_rms-unfused", "fused_add_fwd", 2048, 4096, 2000.0)]  # ours, unfused: no peer
+    pts += [
+        point("tilegym_rms-cutile", "fused_add_fwd", 8192, 4096, 0.91 * COPY),
+        point("torch", "fused_add_fwd", 8192, 4096, 100.0),
+    ]
+    rows = rows_of(pts)
+    for suite in ("heldout", "fused_add"):
+        fwd, bwd = rows[(suite, 2048, 4096, "fused_add_fwd")], rows[(suite, 2048, 4096, "fused_add_bwd")]
+        assert fwd.best_peer == "quack" and fwd.ratio == pytest.approx(0.99) and fwd.peer_verdict == hr.MET
+        assert bwd.ratio == pytest.approx(0.995) and bwd.peer_verdict == hr.MISSED
+        assert fwd.missing == [] and fwd.copy_verdict == hr.NA
+    big = rows[("heldout", 8192, 4096, "fused_add_fwd")]
+    assert big.peer_verdict == hr.MET and big.copy_verdict == hr.MISSED
+    assert big.missing == ["torch.compile", "liger", "quack"]
+    lines = hr.summary(list(rows.values()))
+    assert any(line.startswith("fused_add_fwd ≥ 92% of copy (M·N ≥ 2^25): met at 0 of 1 shapes") for line in lines)
