@@ -22,6 +22,13 @@ instruction count and its loads and stores by width (``LDS.U16``: one 16-bit val
 load ring"):
 
     python -m bench.tools.kernel_resources --waves-of bench/results/h100/sweeps/table_sm90_132sm_candidates.json
+
+``--entry LABEL`` reports a table candidate, named as the sweeps name it, instead of the dispatcher's choice, for
+each shape (``--op`` forward or backward): how a candidate would build before it is timed. Hints that tileiras 13.4
+refuses (``num_worker_warps`` 16) build under ``bench.tools.dev_bytecode`` with tileiras 13.5:
+
+    python -m bench.tools.dev_bytecode -m bench.tools.kernel_resources --shapes 4096x8192 \
+        --entry "gather 1x8192 b0 o4 w0,gather 1x8192 b0 o4 w16"
 """
 
 from __future__ import annotations
@@ -229,7 +236,14 @@ def main(argv=None) -> int:
     parser.add_argument("--waves-of", metavar="SWEEP.json", help="a tune_table candidates file: waves of its timings")
     parser.add_argument("--out", help="with --waves-of: write every candidate's row here (JSON)")
     parser.add_argument("--jobs", type=int, default=4, help="with --waves-of: compile processes")
-    parser.add_argument("--op", choices=("forward", "backward"), default="forward", help="with --waves-of")
+    parser.add_argument("--op", choices=("forward", "backward"), default="forward", help="with --waves-of, --entry")
+    parser.add_argument(
+        "--entry",
+        action="append",
+        default=[],
+        help="a table candidate to report instead of the dispatcher's choice, e.g. 'gather 1x8192 b0 o4 w16' "
+        "(repeat, or separate by commas)",
+    )
     args = parser.parse_args(argv)
     from tilegym_rms import aot
 
@@ -243,6 +257,19 @@ def main(argv=None) -> int:
             Path(args.out).write_text(json.dumps(rows, indent=0))
         print(f"{len(rows)} persistent {args.op} timings of {args.waves_of}, {args.arch} as launched")
         print("\n".join(waves_summary(rows)))
+        return 0
+    labels = [part.strip() for text in args.entry for part in text.split(",") if part.strip()]
+    if labels:
+        print(f"{args.arch}, {args.dtype}, {args.op} table candidates as launched on 16-byte aligned rows; per thread:")
+        print("registers, stack bytes; per block: shared bytes")
+        for item in args.shapes.split(","):
+            m, n = (int(v) for v in item.lower().split("x"))
+            print(f"{m} x {n}:")
+            for label in labels:
+                variant, blocks = _launched(args.op, args.dtype, n, m, label, args.sms)
+                use = _launched_use(variant, args.arch)
+                print(f"  {label:<34} REG {use['REG']:>3}  STACK {use['STACK']:>4}  SHARED {use['SHARED']:>6}")
+                print(f"    {launch_shape(use, (blocks,), args.arch, args.sms)}")
         return 0
     dtype = base.DTYPES[args.dtype]
     table, source = chosen_table(args.arch, args.sms, args.analytic)
