@@ -311,8 +311,11 @@ def load(source) -> Table:
     return Table(doc, str(path))
 
 
-def packaged_keys() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files(__name__).iterdir() if p.name.endswith(".json"))
+@functools.cache
+def packaged_keys() -> tuple[str, ...]:
+    """The keys of the tables this package ships, listed once per process: :func:`nearest_table` asks at every
+    launch configuration a card without its own table builds."""
+    return tuple(sorted(p.name[:-5] for p in resources.files(__name__).iterdir() if p.name.endswith(".json")))
 
 
 @functools.cache
