@@ -4,6 +4,8 @@ The forward's decisions are tested through the host (``tilegym_rms.cutile``), wh
 heuristic M's power-of-two bucket, not M: the kernel an M gets is the one its bucket gets.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -489,3 +491,17 @@ def test_split_forward_config_spreads_a_row_over_a_block_per_chunk(host):
     split = config.forward_candidate(8, 2 * chunk, BF16, SMS, "split")
     assert candidate_error("forward", split, 2 * chunk) is None
     assert "fit one" in candidate_error("forward", split, chunk)
+
+
+@pytest.mark.parametrize("chunk", [2048, 4096, 8192, 16384])
+def test_split_forward_builds_with_the_compilers_warps(chunk):
+    """The split forward takes the gather's occupancy for a row of its chunk's width but never its worker
+    warps (the gather's 4096-column row has eight): with them its build never finished its spin on an H200.
+    Tables and ``--entry`` candidates that name worker warps for it are refused."""
+    from tilegym_rms.cutile.tuning import candidate_error
+
+    with config.override(fwd_chunk_n=chunk):
+        split = config.forward_candidate(8, 5 * chunk, BF16, SMS, "split")
+        gather = config.forward_candidate(8, chunk, BF16, SMS, "gather")  # a row of one chunk
+    assert (split.tile_n, split.occupancy, split.num_worker_warps) == (chunk, gather.occupancy, 0)
+    assert "num_worker_warps must be 0" in candidate_error("forward", replace(split, num_worker_warps=8), 5 * chunk)

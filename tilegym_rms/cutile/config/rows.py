@@ -16,8 +16,9 @@ from .heuristics import Heuristics, Hints, current, m_bucket, make_hints
 # and the same tiles one per block without the walk ("tiles": no load ring, so as many small blocks resident as the
 # hints allow, each with its own loads in flight; PERFORMANCE.md, "Narrow rows"). "tiles" launches the persistent
 # kernel with WALK off. "split" spreads a row wider than one chunk over a block per chunk, which read x once and
-# trade their sums of squares through memory (rms_norm_fwd_split; chosen only by name or by a table: it wins
-# only on fewer rows than SMs, PERFORMANCE.md "Wide rows").
+# trade their sums of squares through memory (rms_norm_fwd_split; chosen only by name or by a table of one's own,
+# never by a shipped one: it wins only on fewer rows than SMs, and its blocks wait on each other, PERFORMANCE.md
+# "Wide rows").
 FORWARD_KERNELS = ("gather", "persistent", "tiles", "split")
 
 
@@ -139,8 +140,10 @@ def forward_candidate(
     if kernel == "split":
         if n <= p.fwd_chunk_n:
             raise ValueError(f"kernel='split' splits rows wider than {p.fwd_chunk_n} columns (N={n})")
-        occupancy, warps = gather_hints(p.fwd_chunk_n, True, p)  # each block holds one chunk, as a gather row
-        return ForwardCandidate("split", 1, p.fwd_chunk_n, 0, 0, occupancy, warps)
+        # Each block holds one chunk, as a gather row: the gather's occupancy, but the compiler's warps (a build
+        # with worker warps never finished, PERFORMANCE.md "A row over several blocks").
+        occupancy, _ = gather_hints(p.fwd_chunk_n, True, p)
+        return ForwardCandidate("split", 1, p.fwd_chunk_n, 0, 0, occupancy, 0)
     if padded > p.fwd_max_persistent_tile_n:
         raise ValueError(
             f"kernel={kernel!r} needs rows of at most {p.fwd_max_persistent_tile_n} elements (N={n}); "

@@ -184,6 +184,8 @@ def candidate_error(op: str, cand, n_b: int) -> str | None:
             return f"{kind}: tile_m must be 1 and tile_n (one tile or a chunk) at most {widest}"
         if kind == "split" and n_b <= cand.tile_n:
             return f"split: rows of bucket {n_b} fit one {cand.tile_n}-column chunk"
+        if kind == "split" and cand.num_worker_warps:
+            return "split: num_worker_warps must be 0 (a build with worker warps never finished its spin)"
         return None
     if kind == "chunked":
         return None
