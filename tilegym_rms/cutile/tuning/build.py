@@ -38,6 +38,10 @@ from . import (
 
 # The ops the analytic table writes at every bucket; the others are optional, absent unless measured.
 ANALYTIC_OPS = ("forward", "backward")
+# The forward kernels a sweep times and a table may ship. Not the split: its blocks wait on each other, and one of
+# its builds never finished in the GPU suite (PERFORMANCE.md, "A row over several blocks"); it runs only when
+# named until its GPU tests pass in the suite on every card it could ship for.
+TABLE_FORWARD_KERNELS = tuple(k for k in config.FORWARD_KERNELS if k != "split")
 
 
 def is_card_of(key: str, class_key_: str) -> bool:
@@ -136,17 +140,17 @@ def analytic_doc(key: str, name: str, capability, sms: int, generated_by: str) -
 
 def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: bool = False) -> list:
     """What the sweep times at one bucket, the analytic choice first, then a few neighbours valid for the
-    bucket: the other forward kernels (their analytic tiles), or the persistent backward strategy in place of the
-    direct one; twice the blocks per SM (only the grid changes: no compile); twice the rows per tile of a
-    persistent tile, or twice the gather kernel's occupancy hint (one compiled variant each). Few on
-    purpose: compiles dominate a sweep's time, see ``bench/tools/tune_table.py --estimate``.
+    bucket: the other forward kernels (:data:`TABLE_FORWARD_KERNELS`, their analytic tiles), or the persistent
+    backward strategy in place of the direct one; twice the blocks per SM (only the grid changes: no compile);
+    twice the rows per tile of a persistent tile, or twice the gather kernel's occupancy hint (one compiled
+    variant each). Few on purpose: compiles dominate a sweep's time, see ``bench/tools/tune_table.py
+    --estimate``.
 
     ``wide`` reaches further where the quick neighbours left a gap to the peers: four times the blocks per
     SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
     four times the analytic one (for qk on both halves, and qk forwards of one tile per block; for the forward
     ops on both kernels, and the one-tile-per-block forward's builds); for rows wider than a chunk, the gather's
-    chunks at half and the split forward's at a half and a quarter of their width, with as many times the
-    occupancy; for a padded
+    chunks at half their width, at twice each occupancy hint; for a padded
     forward row of the persistent or the one-tile-per-block kernel, the row as a tile plus a tail tile
     (:func:`_add_split_row_builds`); and one-block-per-SM builds of each persistent
     tile shape, with eight warps and at occupancy 1 (:func:`_add_one_block_builds`)."""
@@ -181,21 +185,20 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
         return out
     if op in FORWARD_OPS:  # the fused forward tries the plain forward's candidates
         add(config.forward_candidate(m_b, n_b, dtype, sms))
-        for kernel in config.FORWARD_KERNELS:
+        for kernel in TABLE_FORWARD_KERNELS:
             try:
                 base = config.forward_candidate(m_b, n_b, dtype, sms, kernel)
             except ValueError:
                 continue  # persistent: rows too wide
             add(base)
             occupancies = [max(1, base.occupancy) * o for o in (2, 4)] if wide else [max(1, base.occupancy * 2)]
-            if kernel in ("gather", "split"):  # one row or one chunk per block: only the hints to vary
+            if kernel == "gather":  # one row or one chunk per block: only the hints to vary
                 for occupancy in occupancies:
                     add(replace(base, occupancy=occupancy))
                 chunk = config.current().fwd_chunk_n  # the chunk the analytic candidates use
                 if wide and n_b > chunk:  # wide rows: narrower chunks, more blocks resident
-                    for narrower in (2, 4) if kernel == "split" else (2,):
-                        for o in (max(1, base.occupancy), *occupancies):
-                            add(replace(base, tile_n=chunk // narrower, occupancy=o * narrower))
+                    for o in (max(1, base.occupancy), *occupancies):
+                        add(replace(base, tile_n=chunk // 2, occupancy=o * 2))
                 continue
             if kernel == "tiles":  # the quick set times its analytic tiles only
                 if wide:
