@@ -1,3 +1,8 @@
+import contextlib
+import faulthandler
+import os
+import sys
+
 import pytest
 import torch
 
@@ -44,12 +49,40 @@ except ImportError:  # not POSIX: no turns, the big tests simply run
 BIG_GPU_ELEMS = 1 << 27
 
 
+# A GPU test that hangs (a kernel that never finishes) would stall the whole run. After this many seconds in one
+# test (waiting for a big test's turn excluded) its process prints every thread's stack and exits: pytest-xdist then
+# reports that test as failed ("worker crashed") and goes on with a fresh worker; a run without -n stops there.
+HANG_SECONDS_ENV = "TILEGYM_RMS_TEST_HANG_SECONDS"
+HANG_SECONDS_DEFAULT = 900.0
+_stderr_fd = None  # the terminal's stderr, taken before pytest captures the tests' output
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: float, fd=None):
+    """Inside the block, a thread that still runs after ``seconds`` dumps every thread's stack to ``fd`` (stderr
+    by default) and ends the process."""
+    faulthandler.dump_traceback_later(seconds, exit=True, file=fd if fd is not None else sys.__stderr__)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def pytest_configure(config):
+    global _stderr_fd
     config.addinivalue_line(
         "markers",
         "big_gpu_memory: needs many GB of GPU memory; such tests take turns across the processes on one "
         "machine (a file lock), and hand their memory back before the next one starts",
     )
+    try:
+        _stderr_fd = os.dup(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # a stderr without a descriptor: the guard falls back
+        _stderr_fd = None
+
+
+def _gpu_hang_guard():
+    return hang_guard(float(os.environ.get(HANG_SECONDS_ENV, HANG_SECONDS_DEFAULT)), _stderr_fd)
 
 
 def big_gpu_memory_if(big: bool) -> tuple:
@@ -60,7 +93,6 @@ def big_gpu_memory_if(big: bool) -> tuple:
 def _release_gpu_memory() -> None:
     # A failed test's frames (kept for post-mortem debugging in sys.last_traceback) hold its tensors.
     import gc
-    import sys
     import traceback
 
     if getattr(sys, "last_traceback", None) is not None:
@@ -70,7 +102,6 @@ def _release_gpu_memory() -> None:
 
 
 def _gpu_lock_path() -> str:
-    import os
     import tempfile
 
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", "gpu")
@@ -82,18 +113,21 @@ def _gpu_memory_turns(request):
     """``big_gpu_memory`` tests hold an exclusive lock on a file (one per GPU) for their whole run, so that
     at most one of them runs on a GPU at a time, whatever the number of xdist workers; each hands its
     memory back (frames, Python garbage, the caching allocator) before letting the next one in. Every GPU
-    test returns the allocator's cached blocks afterwards, so that a big test finds the memory free."""
+    test returns the allocator's cached blocks afterwards, so that a big test finds the memory free, and runs
+    under :func:`hang_guard` once it has its turn."""
     if "gpu" not in request.keywords or not torch.cuda.is_available():
         yield
         return
     if request.node.get_closest_marker("big_gpu_memory") is None or fcntl is None:
-        yield
+        with _gpu_hang_guard():
+            yield
         torch.cuda.empty_cache()
         return
     with open(_gpu_lock_path(), "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
-            yield
+            with _gpu_hang_guard():
+                yield
         finally:
             _release_gpu_memory()
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
