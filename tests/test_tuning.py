@@ -1128,6 +1128,27 @@ def test_overlay_with_the_shipped_table_as_base_keeps_its_measured_entries(tune_
     assert json.loads(analytic_out.read_text())["forward"] != shipped_doc["forward"]
 
 
+def test_overlay_leaves_out_the_sweep_entries_named(tune_table, tmp_path):
+    """--leave-out OP/DTYPE/N: that entry of the sweep is not laid over (an A/B rejected it), the base's stays
+    there, and the sweep's other entries land; an entry the sweep lacks is refused before anything is written."""
+    sweep = build.new_doc("sm90_132sm", "NVIDIA H100 80GB HBM3", (9, 0), SMS, "measured", "sweep")
+    winners = {n: asdict(replace(config.forward_candidate(4096, n, BF16, SMS, "gather"), occupancy=16)) for n in
+               (2048, 4096)}  # fmt: skip
+    for n, winner in winners.items():
+        build.set_runs(sweep, "forward", "bf16", n, [{"m": 4096, "winner": winner, "gbps": {"g": 1.0}}])
+    sweep_path, out = tmp_path / "sweep.json", tmp_path / "out.json"
+    sweep_path.write_text(json.dumps(sweep))
+    assert tune_table.main(["--overlay", str(sweep_path), "--out", str(out), "--leave-out", "forward/bf16/4096"]) == 0
+    table, analytic = tuning.load(json.loads(out.read_text())), config.forward_candidate(4096, 4096, BF16, SMS)
+    assert asdict(table.lookup("forward", 4096, 2048, BF16)) == winners[2048]
+    assert table.lookup("forward", 4096, 4096, BF16) == analytic != winners[4096]
+    with pytest.raises(SystemExit):
+        tune_table.main(
+            ["--overlay", str(sweep_path), "--out", str(tmp_path / "x.json"), "--leave-out", "forward/bf16/8192"]
+        )
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_a_sweep_command_reaches_the_sweep(tune_table, monkeypatch, tmp_path):
     # main() once shadowed the sweep function with a local of the same name, so every GPU sweep died
     # with UnboundLocalError before timing anything; the CPU tests only ever ran --estimate and --overlay.

@@ -19,6 +19,8 @@ so an interrupted sweep resumes with ``--merge`` on its ``--out``: points alread
     python -m bench.tools.tune_table --ops fused_forward,qk --dtypes bf16 --quick --m 4096,32768 --out s.json
     python -m bench.tools.tune_table --ops forward --wide --dtypes bf16 --n 64,128,256 --m 65536 --out w.json
     python -m bench.tools.tune_table --overlay s.json --base $FULL --out $FULL --slim $SHIP  # into the shipped table
+    python -m bench.tools.tune_table --overlay s.json --leave-out forward/bf16/8192 --base $FULL --out $FULL \
+        --slim $SHIP                                           # less an entry the A/B between buckets rejected
     python -m bench.tools.tune_table --overlay h200.json --base $FULL \\
         --out bench/results/h200/sweeps/table_sm90_132sm.nvidia-h200_candidates.json \\
         --slim tilegym_rms/cutile/tuning/sm90_132sm.nvidia-h200.json  # a card's first table, from its class's
@@ -141,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="lay a measured sweep over --base (build.overlay) and write --out; no GPU",
     )
     parser.add_argument(
+        "--leave-out",
+        metavar="OP/DTYPE/N",
+        action="append",
+        default=[],
+        help="--overlay: a sweep entry not to lay over (e.g. forward/bf16/8192, one an A/B rejected); repeatable",
+    )
+    parser.add_argument(
         "--base",
         metavar="TABLE",
         help="--overlay: the table to keep and lay the sweep over, e.g. the shipped one (default: the analytic table)",
@@ -251,7 +260,10 @@ def main(argv=None) -> int:
     if args.overlay:
         if not args.out:
             parser.error("--overlay needs --out")
-        measured = tuning.load(args.overlay).doc  # validated, in the current schema
+        try:  # validated, in the current schema
+            measured = build.without(tuning.load(args.overlay).doc, args.leave_out)
+        except tuning.TuningTableError as e:
+            parser.error(str(e))
         dev = measured["device"]
         if args.base:  # read before --out may overwrite it
             base = tuning.load(args.base).doc

@@ -449,6 +449,18 @@ def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
     return out
 
 
+def without(doc: dict, entries: Iterable[str]) -> dict:
+    """A copy of ``doc`` less the ``"op/dtype/N"`` entries named (N a bucket point the doc has): the part of a
+    sweep an A/B rejected, so that the table shipped is the overlay of the committed sweep less those."""
+    out = json.loads(json.dumps(doc))
+    for entry in entries:
+        op, dt, n = (entry.split("/") + ["", ""])[:3]
+        if n not in out.get(op, {}).get(dt, {}):
+            raise TuningTableError(f"{entry!r} names no entry of the sweep (op/dtype/N, e.g. forward/bf16/8192)")
+        del out[op][dt][n]
+    return out
+
+
 def source_of(doc: dict) -> str:
     kinds = {measured(runs) for op in OPS for by_n in doc.get(op, {}).values() for runs in by_n.values()}
     return "mixed" if len(kinds) > 1 else ("measured" if kinds == {True} else "analytic")
