@@ -1142,10 +1142,9 @@ def test_overlay_leaves_out_the_sweep_entries_named(tune_table, tmp_path):
     table, analytic = tuning.load(json.loads(out.read_text())), config.forward_candidate(4096, 4096, BF16, SMS)
     assert asdict(table.lookup("forward", 4096, 2048, BF16)) == winners[2048]
     assert table.lookup("forward", 4096, 4096, BF16) == analytic != winners[4096]
-    with pytest.raises(SystemExit):
-        tune_table.main(
-            ["--overlay", str(sweep_path), "--out", str(tmp_path / "x.json"), "--leave-out", "forward/bf16/8192"]
-        )
+    for wrong in ("forward/bf16/8192", "forward/bf16/4096/1"):  # a width the sweep lacks; a fourth part
+        with pytest.raises(SystemExit):
+            tune_table.main(["--overlay", str(sweep_path), "--out", str(tmp_path / "x.json"), "--leave-out", wrong])
     assert not (tmp_path / "x.json").exists()
 
 

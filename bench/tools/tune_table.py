@@ -19,7 +19,7 @@ so an interrupted sweep resumes with ``--merge`` on its ``--out``: points alread
     python -m bench.tools.tune_table --ops fused_forward,qk --dtypes bf16 --quick --m 4096,32768 --out s.json
     python -m bench.tools.tune_table --ops forward --wide --dtypes bf16 --n 64,128,256 --m 65536 --out w.json
     python -m bench.tools.tune_table --overlay s.json --base $FULL --out $FULL --slim $SHIP  # into the shipped table
-    python -m bench.tools.tune_table --overlay s.json --leave-out forward/bf16/8192 --base $FULL --out $FULL \
+    python -m bench.tools.tune_table --overlay s.json --leave-out forward/bf16/8192 --base $FULL --out $FULL \\
         --slim $SHIP                                           # less an entry the A/B between buckets rejected
     python -m bench.tools.tune_table --overlay h200.json --base $FULL \\
         --out bench/results/h200/sweeps/table_sm90_132sm.nvidia-h200_candidates.json \\

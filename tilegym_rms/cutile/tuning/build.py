@@ -150,10 +150,10 @@ def candidates(op: str, m_b: int, n_b: int, dtype: torch.dtype, sms: int, wide: 
     SM (up to 64 times for the persistent forward), half the rows per tile, and occupancy hints of two and
     four times the analytic one (for qk on both halves, and qk forwards of one tile per block; for the forward
     ops on both kernels, and the one-tile-per-block forward's builds); for rows wider than a chunk, the gather's
-    chunks at half their width, at twice each occupancy hint; for a padded
-    forward row of the persistent or the one-tile-per-block kernel, the row as a tile plus a tail tile
-    (:func:`_add_split_row_builds`); and one-block-per-SM builds of each persistent
-    tile shape, with eight warps and at occupancy 1 (:func:`_add_one_block_builds`)."""
+    chunks at half their width, at twice each occupancy hint; for a padded forward row of the persistent or the
+    one-tile-per-block kernel, the row as a tile plus a tail tile (:func:`_add_split_row_builds`); and
+    one-block-per-SM builds of each persistent tile shape, with eight warps and at occupancy 1
+    (:func:`_add_one_block_builds`)."""
     out: list = []
 
     def add(cand):
@@ -454,7 +454,8 @@ def without(doc: dict, entries: Iterable[str]) -> dict:
     sweep an A/B rejected, so that the table shipped is the overlay of the committed sweep less those."""
     out = json.loads(json.dumps(doc))
     for entry in entries:
-        op, dt, n = (entry.split("/") + ["", ""])[:3]
+        parts = entry.split("/")
+        op, dt, n = parts if len(parts) == 3 else ("", "", "")
         if n not in out.get(op, {}).get(dt, {}):
             raise TuningTableError(f"{entry!r} names no entry of the sweep (op/dtype/N, e.g. forward/bf16/8192)")
         del out[op][dt][n]
