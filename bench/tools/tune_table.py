@@ -144,10 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--leave-out",
-        metavar="OP/DTYPE/N",
+        metavar="OP/DTYPE[/N]",
         action="append",
         default=[],
-        help="--overlay: a sweep entry not to lay over (e.g. forward/bf16/8192, one an A/B rejected); repeatable",
+        help="--overlay: a sweep entry not to lay over (e.g. forward/bf16/8192, one an A/B rejected), or every "
+        "width of a dtype (fused_forward/fp32, one no A/B has timed yet); repeatable",
     )
     parser.add_argument(
         "--base",
