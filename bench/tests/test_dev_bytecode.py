@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -35,7 +36,8 @@ def test_only_the_runners_processes_get_the_development_bytecode():
 
 
 def test_kernel_resources_reports_a_named_candidate(monkeypatch, capsys):
-    """``--entry``: the build a table candidate would launch, its hints included, for each shape."""
+    """``--entry``: the build a table candidate would launch, its hints included, for each shape; with ``--sass``
+    each build's instruction counts too."""
     pytest.importorskip("cuda.tile")
     from tilegym_rms import aot
 
@@ -44,10 +46,13 @@ def test_kernel_resources_reports_a_named_candidate(monkeypatch, capsys):
     monkeypatch.setattr(aot, "cubin", lambda v, arch, as_launched: seen.append((v, as_launched)) or b"")
     use = {"REG": 32, "STACK": 0, "SHARED": 33920, "THREADS": 640}
     monkeypatch.setattr(kernel_resources, "resource_usage", lambda cubin, tool: use)
+    counts = collections.Counter({"LDS.U16": 7, "FMUL": 3})
+    monkeypatch.setattr(kernel_resources, "instruction_counts", lambda cubin, tool: counts)
     labels = "gather 1x8192 b0 o4 w0,gather 1x8192 b0 o4 w16"
-    assert kernel_resources.main(["--shapes", "4096x8192,8192x5120", "--entry", labels]) == 0
+    assert kernel_resources.main(["--shapes", "4096x8192,8192x5120", "--entry", labels, "--sass"]) == 0
     assert len(seen) == 4 and all(launched for _, launched in seen)
     assert all(v.kernel_name == "rms_norm_fwd_gather" for v, _ in seen)
     assert ["num_worker_warps=16" in v.describe() for v, _ in seen] == [False, True, False, True]
     out = capsys.readouterr().out
     assert "8192 x 5120:" in out and "gather 1x8192 b0 o4 w16" in out and "640 threads, 3 fit per SM" in out
+    assert out.count("10 instructions; LDS.U16 7") == 4

@@ -267,9 +267,12 @@ def main(argv=None) -> int:
             print(f"{m} x {n}:")
             for label in labels:
                 variant, blocks = _launched(args.op, args.dtype, n, m, label, args.sms)
-                use = _launched_use(variant, args.arch)
+                cubin = aot.cubin(variant, args.arch, as_launched=True)
+                use = resource_usage(cubin, cuobjdump)
                 print(f"  {label:<34} REG {use['REG']:>3}  STACK {use['STACK']:>4}  SHARED {use['SHARED']:>6}")
                 print(f"    {launch_shape(use, (blocks,), args.arch, args.sms)}")
+                if args.sass:
+                    print(f"    {sass_summary(instruction_counts(cubin, cuobjdump))}")
         return 0
     dtype = base.DTYPES[args.dtype]
     table, source = chosen_table(args.arch, args.sms, args.analytic)
