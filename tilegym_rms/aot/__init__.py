@@ -65,8 +65,8 @@ def table_arch(doc: dict) -> str:
 def table_variants(arch: str | None = None) -> list[Variant]:
     """The variants the shipped tuning tables' measured winners launch (bench/tools/tune_table.py may pick tiles,
     hints and kernels the heuristics never do; analytic entries are the heuristics', covered above): a
-    training call's variants at each measured run (the fused forward's: both modes, x and the residual of
-    one dtype; a backward winner's also with the residual gradient, as the fused add runs it). A winner's
+    training call's variants at each measured run (the fused forward's: both modes, with and without the rstd
+    store, x and the residual of one dtype; a backward winner's also with the residual gradient, as the fused add runs it). A winner's
     constants do not depend on N within its bucket, so the bucket's own width stands for every N in it.
 
     With ``arch``, only the tables of that compile target: a table applies to its own device class alone
@@ -85,7 +85,9 @@ def table_variants(arch: str | None = None) -> list[Variant]:
                 for n_b, runs in by_n.items():
                     for run in (r for r in runs if "gbps" in r):
                         if op == "fused_forward":
-                            more = fused_add_variants_for(run["m"], int(n_b), dtype, dtype, sms, (None,), table)
+                            more = fused_add_variants_for(
+                                run["m"], int(n_b), dtype, dtype, sms, (None,), table, every_mode=True
+                            )
                         elif op == "qk":  # k's rows: q's and k's together fall in the run's M bucket
                             m_k = max(1, run["m"] // (QK_HEADS_RATIO + 1))
                             more = qk_variants_for(m_k, int(n_b), dtype, sms, False, table)

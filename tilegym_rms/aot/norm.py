@@ -90,15 +90,18 @@ def fused_add_variants_for(
     kernels=config.FORWARD_KERNELS,
     table=None,
     invariant: bool = False,
+    every_mode: bool = False,
 ) -> list[Variant]:
     """The variants a fused add of ``(m, n)`` launches: the forward in each of ``kernels`` (None: the
-    dispatcher's choice), in modes "pre" and "post", and the backward adding the gradient of residual_out
-    (``HAS_DRES``), which runs on the sum (``residual_dtype``, as its weight). The default casting with a
-    weight of x's dtype. ``table``: a tuning table whose winners the configs follow (the forward's ``fused_forward``
-    entry, then its ``forward`` one, as the host); ``invariant``: in the batch-invariant mode."""
+    dispatcher's choice), and the backward adding the gradient of residual_out (``HAS_DRES``), which runs on the
+    sum (``residual_dtype``, as its weight). The default casting with a weight of x's dtype. The forward in modes
+    "pre" and "post", with and without the rstd store, where x and the residual are bf16 or ``every_mode`` (a
+    table's winner, which no heuristic variant covers); otherwise "pre" with the store alone. ``table``: a tuning
+    table whose winners the configs follow (the forward's ``fused_forward`` entry, then its ``forward`` one, as
+    the host); ``invariant``: in the batch-invariant mode."""
     target = Target(num_sms, table, invariant)
     found, record = collector()
-    full = dtype == residual_dtype == torch.bfloat16
+    full = every_mode or dtype == residual_dtype == torch.bfloat16
     x, w, residual = meta(dtype, m, n), meta(dtype, n), meta(residual_dtype, m, n)
     for kernel in available(target, m, n, dtype, kernels, "fused_forward"):
         for mode in fwd.ADD_MODES if full else ("pre",):
