@@ -777,6 +777,30 @@ def test_fused_forward_takes_its_entry_then_the_forward_entry_then_the_heuristic
         assert analytic not in (plain, fused)
 
 
+def test_a_16_bit_fused_forward_takes_the_other_16_bit_dtypes_fused_entry(host):
+    """fp16's fused forward with no entry of its own takes bf16's fused entry (the same bytes per element), ahead
+    of fp16's forward entry; fp32 takes its forward entry; an fp16 fused entry of its own comes first. The host
+    launches what the lookup gives, and an overlay measures a sweep against it."""
+    m, n = 4096, 4100  # bucket 4224
+    fused = config.ForwardCandidate("gather", 1, 8192, 0, 0, 16, 4)
+    plain = config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)
+    own = config.ForwardCandidate("gather", 1, 8192, 0, 0, 8, 0)
+    doc = one_entry("fused_forward", "bf16", 4224, fused)
+    for dt in ("fp16", "fp32"):
+        build.set_runs(doc, "forward", dt, 4224, [{"m": 1, "winner": asdict(plain), "gbps": {}}])
+    table = tuning.load(doc)
+    assert list(table.winners("fused_forward", m, n, torch.float16)) == [fused, plain]
+    assert list(table.winners("fused_forward", m, n, torch.float32)) == [plain]
+    assert list(table.winners("forward", m, n, torch.float16)) == [plain]
+    with tuning.use_table(doc):
+        cfg = host.forward.cached_config(0, m, n, torch.float16, None, "fused_forward")
+        assert (cfg.kernel, dict(cfg.hints).get("occupancy")) == ("gather", 16)
+        assert host.forward.cached_config(0, m, n, torch.float32, None, "fused_forward").kernel == "persistent"
+    assert build._reference_runs(doc, "fused_forward", "fp16", "4224") == doc["fused_forward"]["bf16"]["4224"]
+    build.set_runs(doc, "fused_forward", "fp16", 4224, [{"m": 1, "winner": asdict(own), "gbps": {}}])
+    assert list(tuning.load(doc).winners("fused_forward", m, n, torch.float16)) == [own, fused, plain]
+
+
 def test_the_analytic_table_writes_no_fused_forward_entry():
     doc = build.analytic_doc("sm90_132sm", "x", (9, 0), SMS, "test")
     assert "fused_forward" in tuning.OPS and not doc["fused_forward"]

@@ -66,8 +66,10 @@ def table_variants(arch: str | None = None) -> list[Variant]:
     """The variants the shipped tuning tables' measured winners launch (bench/tools/tune_table.py may pick tiles,
     hints and kernels the heuristics never do; analytic entries are the heuristics', covered above): a
     training call's variants at each measured run (the fused forward's: both modes, with and without the rstd
-    store, x and the residual of one dtype; a backward winner's also with the residual gradient, as the fused add runs it). A winner's
-    constants do not depend on N within its bucket, so the bucket's own width stands for every N in it.
+    store, x and the residual of one dtype, and of the other 16-bit dtype where that has no entry of its own at
+    the width, as the host falls back to it (``tuning.fallback_chain``); a backward winner's also with the
+    residual gradient, as the fused add runs it). A winner's constants do not depend on N within its bucket, so
+    the bucket's own width stands for every N in it.
 
     With ``arch``, only the tables of that compile target: a table applies to its own device class alone
     (other devices fall back to the heuristics), so its winners need no cubin for the other archs."""
@@ -85,9 +87,12 @@ def table_variants(arch: str | None = None) -> list[Variant]:
                 for n_b, runs in by_n.items():
                     for run in (r for r in runs if "gbps" in r):
                         if op == "fused_forward":
-                            more = fused_add_variants_for(
-                                run["m"], int(n_b), dtype, dtype, sms, (None,), table, every_mode=True
-                            )
+                            more = []
+                            for user in _fused_entry_users(table.doc, dt, n_b):
+                                udt = tuning.DTYPES[user]
+                                more += fused_add_variants_for(
+                                    run["m"], int(n_b), udt, udt, sms, (None,), table, every_mode=True
+                                )
                         elif op == "qk":  # k's rows: q's and k's together fall in the run's M bucket
                             m_k = max(1, run["m"] // (QK_HEADS_RATIO + 1))
                             more = qk_variants_for(m_k, int(n_b), dtype, sms, False, table)
@@ -97,6 +102,16 @@ def table_variants(arch: str | None = None) -> list[Variant]:
                             more += fused_add_variants_for(run["m"], int(n_b), dtype, dtype, sms, (), table)
                         found.update(dict.fromkeys(more))
     return list(found)
+
+
+def _fused_entry_users(doc: dict, dt: str, n_b: str) -> list[str]:
+    """The dtypes whose fused forward at bucket ``n_b`` takes ``doc``'s ``fused_forward`` entry of ``dt``: ``dt``,
+    and the other 16-bit dtype where it has no entry of its own there."""
+    from ..cutile import tuning
+
+    peer = tuning.FUSED_PEER_DTYPE.get(dt)
+    own = doc.get("fused_forward", {})
+    return [dt] + ([peer] if peer is not None and n_b not in own.get(peer, {}) else [])
 
 
 def run(archs=ARCHS, jobs: int = 2, out=sys.stdout, only: list[Variant] | None = None) -> int:

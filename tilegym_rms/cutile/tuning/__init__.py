@@ -45,8 +45,9 @@ strategy ``plan``; such tables load as schema 2 (:func:`upgraded`).
 Ops. ``forward`` and ``backward``: the plain norm (the analytic table writes both at every bucket).
 ``fused_forward``: the forward with the fused residual add (``fused_add_forward``, both modes), forward
 winners measured with mode "pre" (twice the plain forward's traffic per row). Optional: where it has no
-entry the host takes the ``forward`` entry, then the heuristics (:data:`FALLBACK`); the analytic table never
-writes it (absence means "as the plain forward"). ``qk``: the qk kernels (``qk_rms_norm``), keyed by the
+entry the host takes the other 16-bit dtype's ``fused_forward`` entry (fp16 and bf16), then the ``forward``
+entry, then the heuristics (:func:`fallback_chain`); the analytic table never writes it (absence means "as the
+plain forward"). ``qk``: the qk kernels (``qk_rms_norm``), keyed by the
 head dim's N bucket (64, 96, 128, 256, ... up to ``Heuristics.qk_max_tile_n``) and by the M bucket of the
 rows of q and k together; a winner has the fields of :class:`..config.QKCandidate` (``fwd_tile_m``,
 ``bwd_tile_m``, ``fwd_blocks_per_sm``, ``bwd_blocks_per_sm``, ``fwd_occupancy``, ``bwd_occupancy``), its
@@ -84,9 +85,26 @@ ENV = "TILEGYM_RMS_TUNING"
 OPS = ("forward", "backward", "fused_forward", "qk")
 # Where an op's lookup goes when the table has no entry for it (then the analytic heuristics).
 FALLBACK = {"fused_forward": "forward"}
+# The fused forward's entries one 16-bit dtype lends the other where that has none of its own, before the plain
+# forward's: the same bytes per element fit the same tiles (PERFORMANCE.md, "Fused add").
+FUSED_PEER_DTYPE = {"bf16": "fp16", "fp16": "bf16"}
 FORWARD_OPS = ("forward", "fused_forward")  # ops whose winners are ForwardCandidates
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def fallback_chain(op: str, dt: str) -> tuple[tuple[str, str], ...]:
+    """The ``(op, dtype)`` entries a lookup of ``(op, dt)`` tries, in order, before the analytic heuristics: its
+    own; for the fused forward the other 16-bit dtype's fused entry (:data:`FUSED_PEER_DTYPE`); then the
+    :data:`FALLBACK` op's of ``dt``."""
+    chain = [(op, dt)]
+    if op == "fused_forward" and dt in FUSED_PEER_DTYPE:
+        chain.append((op, FUSED_PEER_DTYPE[dt]))
+    if op in FALLBACK:
+        chain.append((FALLBACK[op], dt))
+    return tuple(chain)
+
+
 CANDIDATE_TYPES = {
     "forward": ForwardCandidate,
     "backward": BackwardCandidate,
@@ -290,13 +308,12 @@ class Table:
         return next((c for start, c in reversed(runs) if start <= m_b), runs[0][1])
 
     def winners(self, op: str, m: int, n: int, dtype: torch.dtype):
-        """The winners for ``(m, n, dtype)`` along ``op``'s fallback chain (:data:`FALLBACK`: the fused
-        forward's entry, then the forward's), ops without an entry skipped."""
-        while op is not None:
-            cand = self.lookup(op, m, n, dtype)
+        """The winners for ``(m, n, dtype)`` along ``op``'s fallback chain (:func:`fallback_chain`: the fused
+        forward's entry, the other 16-bit dtype's, then the forward's), entries the table lacks skipped."""
+        for step_op, step_dt in fallback_chain(op, DTYPE_NAMES.get(dtype)):
+            cand = self.lookup(step_op, m, n, DTYPES[step_dt])
             if cand is not None:
                 yield cand
-            op = FALLBACK.get(op)
 
 
 def load(source) -> Table:

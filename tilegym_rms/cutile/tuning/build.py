@@ -20,7 +20,6 @@ from .. import config
 from ..config import QKCandidate
 from . import (
     DTYPES,
-    FALLBACK,
     FORWARD_OPS,
     M_BUCKET_MAX,
     M_BUCKETS,
@@ -31,6 +30,7 @@ from . import (
     TuningTableError,
     candidate_error,
     class_of,
+    fallback_chain,
     m_bucket,
     n_bucket,
     parse_winner,
@@ -367,15 +367,15 @@ def _winner_at(runs: list[dict], m_b: int) -> dict:
 
 
 def _reference_runs(doc: dict, op: str, dt: str, key: str) -> list[dict]:
-    """The runs the host would follow for (op, dtype, N) in ``doc`` without a new measurement: the op's
-    own entry, else its fallback's (:data:`FALLBACK`), else the analytic heuristics'."""
-    while True:
-        runs = doc.get(op, {}).get(dt, {}).get(key)
+    """The runs the host would follow for (op, dtype, N) in ``doc`` without a new measurement: the first entry
+    of its fallback chain (:func:`fallback_chain`) that ``doc`` has, else the analytic heuristics' of the chain's
+    last op."""
+    chain = fallback_chain(op, dt)
+    for step_op, step_dt in chain:
+        runs = doc.get(step_op, {}).get(step_dt, {}).get(key)
         if runs:
             return runs
-        if op not in FALLBACK:
-            return analytic_runs(op, DTYPES[dt], int(key), doc["device"]["sms"])
-        op = FALLBACK[op]
+    return analytic_runs(chain[-1][0], DTYPES[dt], int(key), doc["device"]["sms"])
 
 
 def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dict:
