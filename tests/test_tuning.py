@@ -792,6 +792,7 @@ def test_a_16_bit_fused_forward_takes_the_other_16_bit_dtypes_fused_entry(host):
     assert list(table.winners("fused_forward", m, n, torch.float16)) == [fused, plain]
     assert list(table.winners("fused_forward", m, n, torch.float32)) == [plain]
     assert list(table.winners("forward", m, n, torch.float16)) == [plain]
+    assert list(table.winners("fused_forward", m, n, torch.float64)) == []  # no table holds fp64
     with tuning.use_table(doc):
         cfg = host.forward.cached_config(0, m, n, torch.float16, None, "fused_forward")
         assert (cfg.kernel, dict(cfg.hints).get("occupancy")) == ("gather", 16)

@@ -309,8 +309,11 @@ class Table:
 
     def winners(self, op: str, m: int, n: int, dtype: torch.dtype):
         """The winners for ``(m, n, dtype)`` along ``op``'s fallback chain (:func:`fallback_chain`: the fused
-        forward's entry, the other 16-bit dtype's, then the forward's), entries the table lacks skipped."""
-        for step_op, step_dt in fallback_chain(op, DTYPE_NAMES.get(dtype)):
+        forward's entry, the other 16-bit dtype's, then the forward's), entries the table lacks skipped; none for
+        a dtype no table holds."""
+        if dtype not in DTYPE_NAMES:
+            return
+        for step_op, step_dt in fallback_chain(op, DTYPE_NAMES[dtype]):
             cand = self.lookup(step_op, m, n, DTYPES[step_dt])
             if cand is not None:
                 yield cand
