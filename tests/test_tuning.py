@@ -1151,26 +1151,30 @@ def test_overlay_with_the_shipped_table_as_base_keeps_its_measured_entries(tune_
 
 def test_overlay_leaves_out_the_sweep_entries_named(tune_table, tmp_path):
     """--leave-out OP/DTYPE/N: that entry of the sweep is not laid over (an A/B rejected it), the base's stays
-    there, and the sweep's other entries land; OP/DTYPE leaves out every width of that dtype; an entry the sweep
-    lacks is refused before anything is written."""
+    there, and the sweep's other entries land; OP/DTYPE leaves out every width of that dtype and no other dtype's;
+    names may overlap; an entry the sweep lacks is refused before anything is written."""
     sweep = build.new_doc("sm90_132sm", "NVIDIA H100 80GB HBM3", (9, 0), SMS, "measured", "sweep")
     gather = {n: config.forward_candidate(4096, n, BF16, SMS, "gather") for n in (2048, 4096)}
     winners = {n: asdict(replace(cand, occupancy=16)) for n, cand in gather.items()}
     for n, winner in winners.items():
         build.set_runs(sweep, "forward", "bf16", n, [{"m": 4096, "winner": winner, "gbps": {"g": 1.0}}])
+    fp16_winner = asdict(replace(config.forward_candidate(4096, 2048, torch.float16, SMS, "gather"), occupancy=16))
+    build.set_runs(sweep, "forward", "fp16", 2048, [{"m": 4096, "winner": fp16_winner, "gbps": {"g": 1.0}}])
     sweep_path, out = tmp_path / "sweep.json", tmp_path / "out.json"
     sweep_path.write_text(json.dumps(sweep))
     assert tune_table.main(["--overlay", str(sweep_path), "--out", str(out), "--leave-out", "forward/bf16/4096"]) == 0
     table, analytic = tuning.load(json.loads(out.read_text())), config.forward_candidate(4096, 4096, BF16, SMS)
     assert asdict(table.lookup("forward", 4096, 2048, BF16)) == winners[2048]
     assert table.lookup("forward", 4096, 4096, BF16) == analytic != winners[4096]
-    assert tune_table.main(["--overlay", str(sweep_path), "--out", str(out), "--leave-out", "forward/bf16"]) == 0
+    args = ["--overlay", str(sweep_path), "--out", str(out), "--leave-out", "forward/bf16"]
+    assert tune_table.main([*args, "--leave-out", "forward/bf16/2048"]) == 0  # overlapping names
     table = tuning.load(json.loads(out.read_text()))
     for n in (2048, 4096):  # neither width laid over: the analytic choice stays at both
         assert asdict(table.lookup("forward", 4096, n, BF16)) == asdict(config.forward_candidate(4096, n, BF16, SMS))
         assert asdict(table.lookup("forward", 4096, n, BF16)) != winners[n]
+    assert asdict(table.lookup("forward", 4096, 2048, torch.float16)) == fp16_winner  # the other dtype lands
     # a width or dtype the sweep lacks, a fourth part, an op alone
-    for wrong in ("forward/bf16/8192", "forward/fp16", "forward/bf16/4096/1", "forward"):
+    for wrong in ("forward/bf16/8192", "forward/fp32", "forward/bf16/4096/1", "forward"):
         with pytest.raises(SystemExit):
             tune_table.main(["--overlay", str(sweep_path), "--out", str(tmp_path / "x.json"), "--leave-out", wrong])
     assert not (tmp_path / "x.json").exists()

@@ -452,20 +452,22 @@ def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
 def without(doc: dict, entries: Iterable[str]) -> dict:
     """A copy of ``doc`` less the entries named: ``"op/dtype/N"`` (N a bucket point the doc has) or ``"op/dtype"``
     (every width of that dtype): the part of a sweep an A/B rejected or has not timed yet, so that the table
-    shipped is the overlay of the committed sweep less those."""
+    shipped is the overlay of the committed sweep less those. Each name must name entries of ``doc`` itself; names
+    may overlap."""
     out = json.loads(json.dumps(doc))
     for entry in entries:
         parts = entry.split("/")
         op, dt, n = (parts + [None])[:3] if len(parts) in (2, 3) else ("", "", "")
-        by_n = out.get(op, {}).get(dt, {})
+        by_n = doc.get(op, {}).get(dt, {})
         if not by_n or (n is not None and n not in by_n):
             raise TuningTableError(
                 f"{entry!r} names no entry of the sweep (op/dtype/N or op/dtype, e.g. forward/bf16/8192)"
             )
-        if n is None:
-            del out[op][dt]
-        else:
-            del by_n[n]
+        left = out[op].get(dt, {})
+        for key in list(left) if n is None else [n]:
+            left.pop(key, None)
+        if not left:
+            out[op].pop(dt, None)
     return out
 
 
