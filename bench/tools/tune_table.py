@@ -300,6 +300,13 @@ def main(argv=None) -> int:
     return sweep(args, command, device, ops, points, base_doc, done)
 
 
+def host_incumbent(table, op: str, m_b: int, n_b: int, dtype: torch.dtype):
+    """What the host launches at a point with ``table`` (None: no table, the heuristics): the first winner along
+    the op's fallback chain (``Table.winners``: a fused forward without an entry may borrow another's), which the
+    sweep times beside its candidates."""
+    return next(table.winners(op, m_b, n_b, dtype), None) if table is not None else None
+
+
 def sweep(args, command, device, ops, points, base_doc, done) -> int:
     import tilegym_rms.cutile as cutile
 
@@ -336,7 +343,7 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
             runs = []
             for m_b in ms:
                 point = (cutile, timer, device, key, op, dtype, n_b, m_b, reps, args.min_gain)
-                incumbent = device_table.lookup(op, m_b, n_b, dtype) if device_table is not None else None
+                incumbent = host_incumbent(device_table, op, m_b, n_b, dtype)
                 span = args.span and spans(op, m_b)
                 runs.append(
                     time_point(*point, args.wide, forward_doc, span=span, incumbent=incumbent, check=not args.no_check)
