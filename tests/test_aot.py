@@ -187,20 +187,20 @@ def test_op_variants_compile(op, arch):
 
 def _measured_points(op):
     """(key, sms, m, n, dtype) at every measured run of ``op`` in the shipped tables: where a sweep may have
-    picked a variant the heuristics never launch. A fused-forward run also stands for the other 16-bit dtype
-    where that has no entry of its own at the width (its host falls back to the run's winner)."""
+    picked a variant the heuristics never launch. A fused-forward run also stands for each other dtype whose
+    fallback chain reaches it at that width (``tuning.fallback_chain``: the other 16-bit dtype without an entry of
+    its own there)."""
     from tilegym_rms.cutile import tuning
 
     for key in tuning.packaged_keys():
         doc = tuning.packaged(key).doc
         for dt, by_n in doc.get(op, {}).items():
-            users = [dt]
-            if op == "fused_forward" and dt in tuning.FUSED_PEER_DTYPE:
-                users.append(tuning.FUSED_PEER_DTYPE[dt])
             for n_b, runs in by_n.items():
+                users = [dt]
+                if op == "fused_forward":
+                    has = lambda o, d, n_b=n_b, doc=doc: n_b in doc.get(o, {}).get(d, {})  # noqa: E731
+                    users = [u for u in tuning.DTYPES if (op, dt) in tuning.fallback_chain(op, u, has)]
                 for user in users:
-                    if user != dt and n_b in doc[op].get(user, {}):
-                        continue  # the other dtype's own entry: its own runs cover it
                     for run in runs:
                         if "gbps" in run:
                             yield key, doc["device"]["sms"], run["m"], int(n_b), tuning.DTYPES[user]

@@ -779,8 +779,9 @@ def test_fused_forward_takes_its_entry_then_the_forward_entry_then_the_heuristic
 
 def test_a_16_bit_fused_forward_takes_the_other_16_bit_dtypes_fused_entry(host):
     """fp16's fused forward with no entry of its own takes bf16's fused entry (the same bytes per element), ahead
-    of fp16's forward entry; fp32 takes its forward entry; an fp16 fused entry of its own comes first. The host
-    launches what the lookup gives, and an overlay measures a sweep against it."""
+    of fp16's forward entry; fp32 takes its forward entry; with an fp16 fused entry of its own it borrows nothing,
+    not even for a kernel its own entry lacks. The host launches what the lookup gives, and an overlay measures a
+    sweep against it."""
     m, n = 4096, 4100  # bucket 4224
     fused = config.ForwardCandidate("gather", 1, 8192, 0, 0, 16, 4)
     plain = config.ForwardCandidate("persistent", 2, 8192, 0, 3, 4, 8)
@@ -797,9 +798,54 @@ def test_a_16_bit_fused_forward_takes_the_other_16_bit_dtypes_fused_entry(host):
         cfg = host.forward.cached_config(0, m, n, torch.float16, None, "fused_forward")
         assert (cfg.kernel, dict(cfg.hints).get("occupancy")) == ("gather", 16)
         assert host.forward.cached_config(0, m, n, torch.float32, None, "fused_forward").kernel == "persistent"
-    assert build._reference_runs(doc, "fused_forward", "fp16", "4224") == doc["fused_forward"]["bf16"]["4224"]
+    own = config.ForwardCandidate("tiles", 1, 8192, 0, 0, 8, 0)
     build.set_runs(doc, "fused_forward", "fp16", 4224, [{"m": 1, "winner": asdict(own), "gbps": {}}])
-    assert list(tuning.load(doc).winners("fused_forward", m, n, torch.float16)) == [own, fused, plain]
+    assert list(tuning.load(doc).winners("fused_forward", m, n, torch.float16)) == [own, plain]
+    with tuning.use_table(doc):  # a forced gather: the forward entry's kernel does not match, the heuristics'
+        cfg = host.forward.cached_config(0, m, n, torch.float16, "gather", "fused_forward")
+        assert dict(cfg.hints).get("occupancy") != 16  # not bf16's fused gather
+
+
+def test_a_sweep_times_the_launch_the_host_borrows(tune_table):
+    """The incumbent a sweep times beside its candidates is what the host launches: for an fp16 fused forward
+    without an entry of its own, bf16's fused winner, not fp16's plain forward entry."""
+    n, m = 4096, 4096
+    fused = config.ForwardCandidate("gather", 1, 4096, 0, 0, 16, 8)
+    plain = config.ForwardCandidate("persistent", 4, 4096, 0, 2, 2, 0)
+    doc = one_entry("fused_forward", "bf16", n, fused)
+    build.set_runs(doc, "forward", "fp16", n, [{"m": 1, "winner": asdict(plain), "gbps": {}}])
+    table = tuning.load(doc)
+    assert tune_table.host_incumbent(table, "fused_forward", m, n, torch.float16) == fused
+    assert tune_table.host_incumbent(table, "forward", m, n, torch.float16) == plain
+    assert tune_table.host_incumbent(None, "fused_forward", m, n, torch.float16) is None
+
+
+def test_an_overlay_measures_each_16_bit_dtype_against_the_table_before_it():
+    """A sweep with fused entries of both 16-bit dtypes over a table with neither: each dtype's incumbent is what
+    its host ran before (the plain forward's entry), not the other dtype's winner of the same sweep, so the
+    result does not depend on the order the sweep lists them in."""
+    n, m = 4096, 4096
+    plain = config.ForwardCandidate("persistent", 4, 4096, 0, 2, 2, 0)
+    near = {o: config.ForwardCandidate("gather", 1, 4096, 0, 0, o, 8) for o in (8, 16)}
+    base = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "base")
+    for dt in ("bf16", "fp16"):
+        build.set_runs(base, "forward", dt, n, [{"m": 1, "winner": asdict(plain), "gbps": {}}])
+    gbps = {
+        build.label("forward", plain): 1.0,
+        build.label("forward", near[8]): 2.0,
+        build.label("forward", near[16]): 2.01,
+    }
+    wins = {"bf16": near[16], "fp16": near[8]}  # fp16's best is within --min-gain of bf16's
+    gbps_of = {"bf16": gbps, "fp16": {**gbps, build.label("forward", near[8]): 2.02}}
+    got = []
+    for order in (("bf16", "fp16"), ("fp16", "bf16")):
+        sweep = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
+        for dt in order:
+            run = {"m": m, "winner": asdict(wins[dt]), "gbps": gbps_of[dt]}
+            build.set_runs(sweep, "fused_forward", dt, n, [run])
+        table = tuning.load(build.overlay(base, sweep, min_gain=0.02))
+        got.append({dt: table.lookup("fused_forward", m, n, tuning.DTYPES[dt]) for dt in ("bf16", "fp16")})
+    assert got[0] == got[1] == wins
 
 
 def test_a_sweep_times_the_launch_the_host_borrows(tune_table):

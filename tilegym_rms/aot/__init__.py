@@ -67,8 +67,9 @@ def table_variants(arch: str | None = None) -> list[Variant]:
     hints and kernels the heuristics never do; analytic entries are the heuristics', covered above): a
     training call's variants at each measured run (the fused forward's: both modes, with and without the rstd
     store, x and the residual of one dtype, and of the other 16-bit dtype where that has no entry of its own at
-    the width, as the host falls back to it (``tuning.fallback_chain``); a backward winner's also with the
-    residual gradient, as the fused add runs it). A winner's constants do not depend on N within its bucket, so
+    the width and borrows this one (``tuning.fallback_chain``); a backward winner's also with the residual
+    gradient, as the fused add runs it). A fused add that falls back to the plain forward's winner is not built
+    here in its fused form. A winner's constants do not depend on N within its bucket, so
     the bucket's own width stands for every N in it.
 
     With ``arch``, only the tables of that compile target: a table applies to its own device class alone
@@ -105,13 +106,14 @@ def table_variants(arch: str | None = None) -> list[Variant]:
 
 
 def _fused_entry_users(doc: dict, dt: str, n_b: str) -> list[str]:
-    """The dtypes whose fused forward at bucket ``n_b`` takes ``doc``'s ``fused_forward`` entry of ``dt``: ``dt``,
-    and the other 16-bit dtype where it has no entry of its own there."""
+    """The dtypes whose fused forward at bucket ``n_b`` reaches ``doc``'s ``fused_forward`` entry of ``dt`` along
+    its fallback chain (``tuning.fallback_chain``): ``dt``, and the other 16-bit dtype where it has none of its own."""
     from ..cutile import tuning
 
-    peer = tuning.FUSED_PEER_DTYPE.get(dt)
-    own = doc.get("fused_forward", {})
-    return [dt] + ([peer] if peer is not None and n_b not in own.get(peer, {}) else [])
+    def has_entry(op, d):
+        return n_b in doc.get(op, {}).get(d, {})
+
+    return [u for u in tuning.DTYPES if ("fused_forward", dt) in tuning.fallback_chain("fused_forward", u, has_entry)]
 
 
 def run(archs=ARCHS, jobs: int = 2, out=sys.stdout, only: list[Variant] | None = None) -> int:

@@ -97,8 +97,9 @@ def fused_add_variants_for(
     sum (``residual_dtype``, as its weight). The default casting with a weight of x's dtype. The forward in modes
     "pre" and "post", with and without the rstd store, where x and the residual are bf16 or ``every_mode`` (a
     table's winner, which no heuristic variant covers); otherwise "pre" with the store alone. ``table``: a tuning
-    table whose winners the configs follow (the forward's ``fused_forward`` entry, then its ``forward`` one, as
-    the host); ``invariant``: in the batch-invariant mode."""
+    table whose winners the configs follow along the host's fallback chain (``tuning.fallback_chain``: the
+    ``fused_forward`` entry, else the other 16-bit dtype's, then the ``forward`` one); ``invariant``: in the
+    batch-invariant mode."""
     target = Target(num_sms, table, invariant)
     found, record = collector()
     full = every_mode or dtype == residual_dtype == torch.bfloat16

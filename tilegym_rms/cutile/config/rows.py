@@ -211,8 +211,9 @@ def forward_config(
 ) -> ForwardConfig:
     """Chooses the forward kernel and its tiles: the tuning ``table``'s winner for the bucket of ``(m, n,
     dtype)`` (a :class:`.tuning.Table`), else the analytic heuristics. ``op`` "fused_forward" (the fused
-    residual add) takes its own entry first, then the plain forward's. ``kernel`` forces one of
-    :data:`FORWARD_KERNELS`; table winners of another kernel then give way to the analytic choice of that one.
+    residual add) takes its own entry first, else the other 16-bit dtype's fused entry, then the plain forward's
+    (``Table.winners``). ``kernel`` forces one of :data:`FORWARD_KERNELS`: the first winner along that chain of
+    that kernel, else the analytic choice of that kernel.
 
     ``invariant`` (the batch-invariant mode): the gather kernel as chosen for one row, whatever ``m``. It
     computes each row in a block of its own with no row loop, so a row's code and tiles never follow M; the

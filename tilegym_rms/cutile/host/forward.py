@@ -23,8 +23,8 @@ ADD_NONE, ADD_MODES = 0, {"pre": 1, "post": 2}
 def config_for(tgt: Target, m: int, n: int, dtype: torch.dtype, kernel=None, op="forward") -> config.ForwardConfig:
     """The forward configuration for an ``(m, n)`` input: tiles from M's bucket (a new M compiles nothing
     new), the grid from the real M. ``op`` "fused_forward": the fused add's own table entry first (it moves
-    twice the bytes per row), then the plain forward's. In the batch-invariant mode: the gather kernel as
-    for one row."""
+    twice the bytes per row), else the other 16-bit dtype's, then the plain forward's. In the batch-invariant
+    mode: the gather kernel as for one row."""
     cfg = config.forward_config(config.m_bucket(m), n, dtype, tgt.sms, kernel, tgt.table, op, tgt.invariant)
     if cfg.kernel == "gather":
         grid = m
@@ -96,8 +96,8 @@ def cached_config(dev: int, m: int, n: int, dtype, kernel, op="forward", invaria
 def cached_launch(
     dev: int, m, n, dtype, kernel, casting_mode, has_w, store_rstd, add, invariant=False
 ) -> ForwardLaunch:
-    # The fused add (both modes) looks up its own table entry, then the plain norm's (tuning.FALLBACK): cached
-    # apart, since the two may differ.
+    # The fused add (both modes) looks up its own table entry, else its fallbacks (tuning.fallback_chain): cached
+    # apart from the plain norm's, since the two may differ.
     return forward_launch(target(dev, invariant), m, n, dtype, kernel, casting_mode, has_w, store_rstd, add)
 
 

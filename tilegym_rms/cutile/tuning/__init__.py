@@ -85,20 +85,22 @@ ENV = "TILEGYM_RMS_TUNING"
 OPS = ("forward", "backward", "fused_forward", "qk")
 # Where an op's lookup goes when the table has no entry for it (then the analytic heuristics).
 FALLBACK = {"fused_forward": "forward"}
-# The fused forward's entries one 16-bit dtype lends the other where that has none of its own, before the plain
-# forward's: the same bytes per element fit the same tiles (PERFORMANCE.md, "Fused add").
+# The fused forward's entries one 16-bit dtype lends the other where that has none of its own at a width, before
+# the plain forward's: the same bytes per element fit the same tiles (PERFORMANCE.md, "Fused add").
 FUSED_PEER_DTYPE = {"bf16": "fp16", "fp16": "bf16"}
 FORWARD_OPS = ("forward", "fused_forward")  # ops whose winners are ForwardCandidates
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-def fallback_chain(op: str, dt: str) -> tuple[tuple[str, str], ...]:
-    """The ``(op, dtype)`` entries a lookup of ``(op, dt)`` tries, in order, before the analytic heuristics: its
-    own; for the fused forward the other 16-bit dtype's fused entry (:data:`FUSED_PEER_DTYPE`); then the
-    :data:`FALLBACK` op's of ``dt``."""
+def fallback_chain(op: str, dt: str, has_entry) -> tuple[tuple[str, str], ...]:
+    """The ``(op, dtype)`` entries a lookup of ``(op, dt)`` at one width tries, in order, before the analytic
+    heuristics: its own; for the fused forward without an entry of its own there (``has_entry(op, dt)``: whether
+    the table holds one at that width), the other 16-bit dtype's fused entry (:data:`FUSED_PEER_DTYPE`); then the
+    :data:`FALLBACK` op's of ``dt``. The one rule for the host's lookup, the overlay's reference and the compile
+    check."""
     chain = [(op, dt)]
-    if op == "fused_forward" and dt in FUSED_PEER_DTYPE:
+    if op == "fused_forward" and dt in FUSED_PEER_DTYPE and not has_entry(op, dt):
         chain.append((op, FUSED_PEER_DTYPE[dt]))
     if op in FALLBACK:
         chain.append((FALLBACK[op], dt))
@@ -309,11 +311,13 @@ class Table:
 
     def winners(self, op: str, m: int, n: int, dtype: torch.dtype):
         """The winners for ``(m, n, dtype)`` along ``op``'s fallback chain (:func:`fallback_chain`: the fused
-        forward's entry, the other 16-bit dtype's, then the forward's), entries the table lacks skipped; none for
-        a dtype no table holds."""
-        if dtype not in DTYPE_NAMES:
+        forward's entry, else the other 16-bit dtype's, then the forward's), entries the table lacks skipped; none
+        for a dtype no table holds."""
+        n_b = n_bucket(n)
+        if dtype not in DTYPE_NAMES or n_b is None:
             return
-        for step_op, step_dt in fallback_chain(op, DTYPE_NAMES[dtype]):
+        chain = fallback_chain(op, DTYPE_NAMES[dtype], lambda o, d: (o, d, n_b) in self.runs)
+        for step_op, step_dt in chain:
             cand = self.lookup(step_op, m, n, DTYPES[step_dt])
             if cand is not None:
                 yield cand

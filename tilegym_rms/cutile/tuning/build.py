@@ -366,13 +366,14 @@ def _winner_at(runs: list[dict], m_b: int) -> dict:
     return next((r["winner"] for r in reversed(runs) if r["m"] <= m_b), runs[0]["winner"])
 
 
-def _reference_runs(doc: dict, op: str, dt: str, key: str) -> list[dict]:
+def _reference_runs(doc: dict, before: dict, op: str, dt: str, key: str) -> list[dict]:
     """The runs the host would follow for (op, dtype, N) in ``doc`` without a new measurement: the first entry
     of its fallback chain (:func:`fallback_chain`) that ``doc`` has, else the analytic heuristics' of the chain's
-    last op."""
-    chain = fallback_chain(op, dt)
+    last op. Another dtype's entry comes from ``before`` (the table before the sweep), so that the dtypes of one
+    sweep are each measured against what ran before it, not against each other, in whatever order."""
+    chain = fallback_chain(op, dt, lambda o, d: bool(doc.get(o, {}).get(d, {}).get(key)))
     for step_op, step_dt in chain:
-        runs = doc.get(step_op, {}).get(step_dt, {}).get(key)
+        runs = (doc if step_dt == dt else before).get(step_op, {}).get(step_dt, {}).get(key)
         if runs:
             return runs
     return analytic_runs(chain[-1][0], DTYPES[dt], int(key), doc["device"]["sms"])
@@ -408,7 +409,8 @@ def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
     forward at many rows, keep their switch), or where the sweep's next measured bucket chose the same winner (two
     measurements that agree outrank a switch the base only predicts between them), and buckets below the first
     measured one keep the base's choice. For an op without a base entry the base is what the host would fall back
-    to: the fused forward the forward's entry (already overlaid), the qk op and the rest the analytic heuristics.
+    to (``tuning.fallback_chain``): the fused forward the other 16-bit dtype's fused entry in ``base``, else the
+    forward's entry (already overlaid), the qk op and the rest the analytic heuristics.
     Entries the sweep did not measure stay as in ``base``, and so do the base's own measured runs at M buckets the
     sweep did not measure: a sweep winner stands for the buckets above its own only up to the next bucket either
     table measured. At a bucket the sweep measured, the winner the base launched there stays unless the sweep's
@@ -417,7 +419,7 @@ def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
     for op in OPS:  # in order: the forward is overlaid before the fused forward falls back to it
         for dt, by_n in sweep.get(op, {}).items():
             for key, measured_runs in by_n.items():
-                ref_runs = _reference_runs(out, op, dt, key)
+                ref_runs = _reference_runs(out, base, op, dt, key)
                 measured_runs = [_incumbent_kept(op, r, _winner_at(ref_runs, r["m"]), min_gain) for r in measured_runs]
                 points = {r["m"]: r for r in measured_runs}
                 own = out.get(op, {}).get(dt, {}).get(key) or []  # not a fallback's: measured for another op
