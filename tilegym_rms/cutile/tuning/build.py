@@ -85,7 +85,7 @@ def with_winner(doc: dict, op: str, dtype: str, m_b: int, n: int, cand) -> dict:
     if why:
         raise TuningTableError(f"{label(op, cand)} cannot serve N = {n} ({op}): {why}")
     out = json.loads(json.dumps(doc))
-    runs = _reference_runs(out, op, dtype, str(n_b))
+    runs = _reference_runs(out, out, op, dtype, str(n_b))
     after = [{"m": m_b * 2, "winner": _winner_at(runs, m_b * 2)}] if m_b < M_BUCKET_MAX else []
     kept = [r for r in runs if r["m"] < m_b] + [{"m": m_b, "winner": asdict(cand)}] + after
     kept += [r for r in runs if r["m"] > m_b * 2]
