@@ -848,20 +848,6 @@ def test_an_overlay_measures_each_16_bit_dtype_against_the_table_before_it():
     assert got[0] == got[1] == wins
 
 
-def test_a_sweep_times_the_launch_the_host_borrows(tune_table):
-    """The incumbent a sweep times beside its candidates is what the host launches: for an fp16 fused forward
-    without an entry of its own, bf16's fused winner, not fp16's plain forward entry."""
-    n, m = 4096, 4096
-    fused = config.ForwardCandidate("gather", 1, 4096, 0, 0, 16, 8)
-    plain = config.ForwardCandidate("persistent", 4, 4096, 0, 2, 2, 0)
-    doc = one_entry("fused_forward", "bf16", n, fused)
-    build.set_runs(doc, "forward", "fp16", n, [{"m": 1, "winner": asdict(plain), "gbps": {}}])
-    table = tuning.load(doc)
-    assert tune_table.host_incumbent(table, "fused_forward", m, n, torch.float16) == fused
-    assert tune_table.host_incumbent(table, "forward", m, n, torch.float16) == plain
-    assert tune_table.host_incumbent(None, "fused_forward", m, n, torch.float16) is None
-
-
 def test_the_analytic_table_writes_no_fused_forward_entry():
     doc = build.analytic_doc("sm90_132sm", "x", (9, 0), SMS, "test")
     assert "fused_forward" in tuning.OPS and not doc["fused_forward"]
