@@ -187,23 +187,28 @@ def test_op_variants_compile(op, arch):
 
 def _measured_points(op):
     """(key, sms, m, n, dtype) at every measured run of ``op`` in the shipped tables: where a sweep may have
-    picked a variant the heuristics never launch. A fused-forward run also stands for each other dtype whose
-    fallback chain reaches it at that width (``tuning.fallback_chain``: the other 16-bit dtype without an entry of
-    its own there)."""
+    picked a variant the heuristics never launch. For the fused forward, every measured run of the entry its
+    host's lookup takes at a width (``tuning.fallback_chain``: its own fused entry, else the other 16-bit dtype's,
+    else the plain forward's), in each dtype."""
     from tilegym_rms.cutile import tuning
 
     for key in tuning.packaged_keys():
         doc = tuning.packaged(key).doc
-        for dt, by_n in doc.get(op, {}).items():
-            for n_b, runs in by_n.items():
-                users = [dt]
-                if op == "fused_forward":
+        if op != "fused_forward":
+            entries = [(dt, n_b, runs, dt) for dt, by_n in doc.get(op, {}).items() for n_b, runs in by_n.items()]
+        else:
+            entries = []
+            for user in tuning.DTYPES:
+                for n_b in {n for o in ("fused_forward", "forward") for by_n in doc.get(o, {}).values() for n in by_n}:
                     has = lambda o, d, n_b=n_b, doc=doc: n_b in doc.get(o, {}).get(d, {})  # noqa: E731
-                    users = [u for u in tuning.DTYPES if (op, dt) in tuning.fallback_chain(op, u, has)]
-                for user in users:
-                    for run in runs:
-                        if "gbps" in run:
-                            yield key, doc["device"]["sms"], run["m"], int(n_b), tuning.DTYPES[user]
+                    chain = tuning.fallback_chain("fused_forward", user, has)
+                    step = next((s for s in chain if has(*s)), None)
+                    if step is not None:
+                        entries.append((step[1], n_b, doc[step[0]][step[1]][n_b], user))
+        for _dt, n_b, runs, user in entries:
+            for run in runs:
+                if "gbps" in run:
+                    yield key, doc["device"]["sms"], run["m"], int(n_b), tuning.DTYPES[user]
 
 
 def _meta(dtype, *shape):

@@ -65,12 +65,12 @@ def table_arch(doc: dict) -> str:
 def table_variants(arch: str | None = None) -> list[Variant]:
     """The variants the shipped tuning tables' measured winners launch (bench/tools/tune_table.py may pick tiles,
     hints and kernels the heuristics never do; analytic entries are the heuristics', covered above): a
-    training call's variants at each measured run (the fused forward's: both modes, with and without the rstd
-    store, x and the residual of one dtype, and of the other 16-bit dtype where that has no entry of its own at
-    the width and borrows this one (``tuning.fallback_chain``); a backward winner's also with the residual
-    gradient, as the fused add runs it). A fused add that falls back to the plain forward's winner is not built
-    here in its fused form. A winner's constants do not depend on N within its bucket, so
-    the bucket's own width stands for every N in it.
+    training call's variants at each measured run; the fused add's forward (both modes, with and without the
+    rstd store, x and the residual of one dtype) for every dtype whose fused add runs on that entry
+    (:func:`_fused_add_users`: a fused entry, one borrowed from the other 16-bit dtype, or the plain forward's
+    where no fused entry serves the width); a backward winner's also with the residual gradient, as the fused add
+    runs it. A winner's constants do not depend on N within its bucket, so the bucket's own width stands for
+    every N in it.
 
     With ``arch``, only the tables of that compile target: a table applies to its own device class alone
     (other devices fall back to the heuristics), so its winners need no cubin for the other archs."""
@@ -86,34 +86,38 @@ def table_variants(arch: str | None = None) -> list[Variant]:
             for dt, by_n in table.doc.get(op, {}).items():
                 dtype = tuning.DTYPES[dt]
                 for n_b, runs in by_n.items():
+                    users = _fused_add_users(table.doc, op, dt, n_b) if op in tuning.FORWARD_OPS else []
                     for run in (r for r in runs if "gbps" in r):
-                        if op == "fused_forward":
-                            more = []
-                            for user in _fused_entry_users(table.doc, dt, n_b):
-                                udt = tuning.DTYPES[user]
-                                more += fused_add_variants_for(
-                                    run["m"], int(n_b), udt, udt, sms, (None,), table, every_mode=True
-                                )
-                        elif op == "qk":  # k's rows: q's and k's together fall in the run's M bucket
+                        more = []
+                        if op == "qk":  # k's rows: q's and k's together fall in the run's M bucket
                             m_k = max(1, run["m"] // (QK_HEADS_RATIO + 1))
                             more = qk_variants_for(m_k, int(n_b), dtype, sms, False, table)
-                        else:
+                        elif op != "fused_forward":
                             more = variants_for(run["m"], int(n_b), dtype, sms, (None,), False, table)
+                        for user in users:
+                            udt = tuning.DTYPES[user]
+                            more += fused_add_variants_for(
+                                run["m"], int(n_b), udt, udt, sms, (None,), table, every_mode=True
+                            )
                         if op == "backward":  # the fused add's backward (HAS_DRES) runs on the same winner
                             more += fused_add_variants_for(run["m"], int(n_b), dtype, dtype, sms, (), table)
                         found.update(dict.fromkeys(more))
     return list(found)
 
 
-def _fused_entry_users(doc: dict, dt: str, n_b: str) -> list[str]:
-    """The dtypes whose fused forward at bucket ``n_b`` reaches ``doc``'s ``fused_forward`` entry of ``dt`` along
-    its fallback chain (``tuning.fallback_chain``): ``dt``, and the other 16-bit dtype where it has none of its own."""
+def _fused_add_users(doc: dict, op: str, dt: str, n_b: str) -> list[str]:
+    """The dtypes whose fused add's forward at bucket ``n_b`` runs on ``doc``'s ``op`` entry of ``dt``: those for
+    which it is the first entry ``doc`` holds along their fallback chain (``tuning.fallback_chain``), as the
+    host's lookup takes it."""
     from ..cutile import tuning
 
-    def has_entry(op, d):
-        return n_b in doc.get(op, {}).get(d, {})
+    def has_entry(o, d):
+        return n_b in doc.get(o, {}).get(d, {})
 
-    return [u for u in tuning.DTYPES if ("fused_forward", dt) in tuning.fallback_chain("fused_forward", u, has_entry)]
+    def serving(u):
+        return next((step for step in tuning.fallback_chain("fused_forward", u, has_entry) if has_entry(*step)), None)
+
+    return [u for u in tuning.DTYPES if serving(u) == (op, dt)]
 
 
 def run(archs=ARCHS, jobs: int = 2, out=sys.stdout, only: list[Variant] | None = None) -> int:
