@@ -201,8 +201,7 @@ def _measured_points(op):
             for user in tuning.DTYPES:
                 for n_b in {n for o in ("fused_forward", "forward") for by_n in doc.get(o, {}).values() for n in by_n}:
                     has = lambda o, d, n_b=n_b, doc=doc: n_b in doc.get(o, {}).get(d, {})  # noqa: E731
-                    chain = tuning.fallback_chain("fused_forward", user, has)
-                    step = next((s for s in chain if has(*s)), None)
+                    step = tuning.serving_entry("fused_forward", user, has)
                     if step is not None:
                         entries.append((step[1], n_b, doc[step[0]][step[1]][n_b], user))
         for _dt, n_b, runs, user in entries:

@@ -114,10 +114,7 @@ def _fused_add_users(doc: dict, op: str, dt: str, n_b: str) -> list[str]:
     def has_entry(o, d):
         return n_b in doc.get(o, {}).get(d, {})
 
-    def serving(u):
-        return next((step for step in tuning.fallback_chain("fused_forward", u, has_entry) if has_entry(*step)), None)
-
-    return [u for u in tuning.DTYPES if serving(u) == (op, dt)]
+    return [u for u in tuning.DTYPES if tuning.serving_entry("fused_forward", u, has_entry) == (op, dt)]
 
 
 def run(archs=ARCHS, jobs: int = 2, out=sys.stdout, only: list[Variant] | None = None) -> int:

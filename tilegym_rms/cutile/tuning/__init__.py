@@ -107,6 +107,12 @@ def fallback_chain(op: str, dt: str, has_entry) -> tuple[tuple[str, str], ...]:
     return tuple(chain)
 
 
+def serving_entry(op: str, dt: str, has_entry) -> tuple[str, str] | None:
+    """The ``(op, dtype)`` entry a lookup of ``(op, dt)`` at one width takes when no kernel is forced: the first
+    along :func:`fallback_chain` that the table holds (``has_entry``), or None (the analytic heuristics)."""
+    return next((step for step in fallback_chain(op, dt, has_entry) if has_entry(*step)), None)
+
+
 CANDIDATE_TYPES = {
     "forward": ForwardCandidate,
     "backward": BackwardCandidate,
