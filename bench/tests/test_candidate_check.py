@@ -1,5 +1,5 @@
 """The sweep's value check (bench/tools/candidate_check.py) on the CPU: the host calls of the reference stand in
-for cuTile's, and wrong ones beside them (tests/test_tuning.py: the sweep skipping a candidate that fails it)."""
+for cuTile's, and wrong ones beside them (tests/test_tuning_sweep.py: the sweep skipping a candidate that fails it)."""
 
 from __future__ import annotations
 
