@@ -327,7 +327,7 @@ def test_overlay_of_a_qk_sweep_keeps_the_heuristics_where_they_change():
     assert table.lookup("qk", 1 << 22, 64, BF16) == odd[1 << 20]
 
 
-# --- the sweep (bench/tools/tune_table.py) for the fused forward and qk, without a GPU ---
+# --- the sweep script (bench/tools/tune_table.py): its arguments, runs on fake timings, its overlays ---
 
 
 @pytest.fixture
