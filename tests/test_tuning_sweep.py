@@ -753,3 +753,50 @@ def test_the_qk_sweep_times_the_views_the_product_launches(tune_table):
     assert got.shape == (1, 1, 8 * build.QK_SWEEP_HEADS[0], 64) and got.data_ptr() == q.data_ptr()
     sliced = torch.randn(8, 3 * 16 * 64)[:, : 16 * 64].view(8, 16, 64)  # q of a fused qkv projection
     assert tune_table.qk_product_views(sliced).shape == (1, 8, 16, 64)  # rows not one run: tokens x heads
+
+
+def test_a_qk_sweep_of_one_half_times_it_alone_and_keeps_the_tables_other_half(tune_table, monkeypatch):
+    """``--qk-half fwd``: only forward halves are timed; the winner's forward half is the fastest, its backward
+    half the launch the device's table gives there (the incumbent), which the sweep never timed."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    m_b, n_b = 32768, 128
+    cands = build.candidates("qk", m_b, n_b, BF16, SMS)
+    base = cands[0]
+    fast = next(c for c in cands if c.fwd_tile_m == 2 * base.fwd_tile_m)
+    incumbent = replace(base, bwd_blocks_per_sm=4 * base.bwd_blocks_per_sm)  # a backward half no candidate has
+    installed, calls = {}, []
+
+    @contextmanager
+    def use_table(doc):
+        installed["cand"] = tuning.parse_winner("qk", doc["qk"]["bf16"][str(n_b)][0]["winner"], "candidate")
+        yield
+
+    def time_us(timer, call, sets, reps):
+        calls.append(call)
+        return 5.0 if installed["cand"].fwd_tile_m == fast.fwd_tile_m else 10.0
+
+    monkeypatch.setattr(tune_table.tuning, "use_table", use_table)
+    monkeypatch.setattr(
+        tune_table.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=SMS)
+    )
+    monkeypatch.setattr(tune_table.torch, "randn", lambda *a, **k: None)
+    parts = {"fwd": (1 << 20, "qk_fwd"), "bwd": (1 << 21, "qk_bwd")}
+    monkeypatch.setattr(tune_table, "_inputs", lambda op, m, n, dtype, device: ([m], parts))
+    monkeypatch.setattr(tune_table, "_call", lambda cutile, kind, w: kind)
+    monkeypatch.setattr(tune_table.tune_cutile, "_time_us", time_us)
+    point = (None, None, None, "sm90_132sm", "qk", BF16, n_b, m_b, 3, 0.01)
+    run = tune_table.time_point(*point, incumbent=incumbent, check=False, halves=("fwd",))
+    assert calls and set(calls) == {"qk_fwd"}
+    assert all(label.startswith("fwd ") for label in run["gbps"])
+    won = tuning.parse_winner("qk", run["winner"], "winner")
+    assert (won.fwd_tile_m, won.fwd_occupancy) == (fast.fwd_tile_m, fast.fwd_occupancy)
+    assert (won.bwd_tile_m, won.bwd_blocks_per_sm, won.bwd_occupancy) == (
+        incumbent.bwd_tile_m,
+        incumbent.bwd_blocks_per_sm,
+        incumbent.bwd_occupancy,
+    )
+    both = tune_table.estimate(["qk"], {"qk": [("bf16", n_b, m_b)]}, SMS)
+    fwd_only = tune_table.estimate(["qk"], {"qk": [("bf16", n_b, m_b)]}, SMS, halves=("fwd",))
+    assert fwd_only["timings"] == len({build.qk_half_label(c, "fwd") for c in cands}) < both["timings"]

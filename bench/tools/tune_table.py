@@ -45,8 +45,9 @@ choice with half, the same or twice the rows per tile and once or twice the bloc
 ``(G, 4, D)`` k, handed over as the views ``qk_rms_norm`` makes of them (``qk_product_views``), k a fifth of
 the rows (M buckets below 32 rows skipped). The qk forward and backward are timed
 apart: they are separate launches whose configs do not interact, so the best forward half and the best
-backward half make the winner (11 candidates, 12 timings) where timing every pair would take 36. qk runs at
-head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile_n``).
+backward half make the winner (11 candidates, 12 timings) where timing every pair would take 36; ``--qk-half
+fwd`` (or ``bwd``) times one half alone, the winner keeping the other half of the launch the device's table
+gives there. qk runs at head dims ``QK_N`` unless ``--n`` names others (at most ``Heuristics.qk_max_tile_n``).
 
 ``--span`` also times every candidate at 5/8 of each M bucket's rows (``build.span_rows``; forward, backward
 and fused forward) and chooses the winner by the geometric mean of its GB/s at both points (``build.scores``):
@@ -88,6 +89,7 @@ M_QUICK = (1, 512, 8192)
 # Quick: every 512 columns up to 8192 and the coarse points (the dense 128-column steps are the slow part).
 N_QUICK = tuple(n for n in tuning.N_BUCKETS if n <= 128 or n % 512 == 0)
 QK_N = (64, 96, 128, 256)  # the head dims of the common models (as bench_rmsnorm.py --measure qk_norm, plus 96)
+QK_HALVES = ("fwd", "bwd")  # the two halves of a qk candidate, timed apart (--qk-half: one of them)
 MAX_ELEMENTS = 1 << 28  # 512 MiB of bf16 per tensor: the backward's inputs and outputs stay far below 80 GB
 # The estimate's unit times (H100; the run prints its real pace): one compile, one timed candidate.
 COMPILE_S = 3.0
@@ -115,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--span", action="store_true", help="also time each candidate at 5/8 of the bucket's rows; choose by both"
+    )
+    parser.add_argument(
+        "--qk-half",
+        choices=QK_HALVES,
+        help="qk: time this half's candidates alone; the run keeps the other half the device's table launches",
     )
     parser.add_argument("--merge", help="an existing table: its measured points are kept and skipped")
     parser.add_argument("--reps", type=int, default=3, help="timed passes over the rotating inputs (median)")
@@ -187,27 +194,28 @@ def sweep_args(args) -> tuple[list[str], dict[str, list[tuple[str, int, int]]]]:
     return ops, points
 
 
-def timed_parts(op: str, cands) -> set:
-    """What the sweep times for ``cands``: each candidate, or each distinct half of a qk candidate."""
+def timed_parts(op: str, cands, halves=QK_HALVES) -> set:
+    """What the sweep times for ``cands``: each candidate, or each distinct half of a qk candidate among
+    ``halves``."""
     if op != "qk":
         return {build.label(op, c) for c in cands}
-    return {build.qk_half_label(c, side) for c in cands for side in ("fwd", "bwd")}
+    return {build.qk_half_label(c, side) for c in cands for side in halves}
 
 
-def compiled_parts(op: str, dt: str, n_b: int, cands) -> set:
+def compiled_parts(op: str, dt: str, n_b: int, cands, halves=QK_HALVES) -> set:
     """The compiled variants ``cands`` need (blocks per SM only changes the grid)."""
     if op == "qk":
         return {
             (op, dt, n_b, side, getattr(c, f"{side}_tile_m"), getattr(c, f"{side}_occupancy"))
             for c in cands
-            for side in ("fwd", "bwd")
+            for side in halves
         }  # fmt: skip (the tile is one head wide: N's bucket sets it)
     return {(op, dt, *(v for k, v in asdict(c).items() if k != "blocks_per_sm")) for c in cands}
 
 
-def estimate(ops, points, sms: int, done=frozenset(), wide: bool = False, span: bool = False) -> dict:
+def estimate(ops, points, sms: int, done=frozenset(), wide: bool = False, span: bool = False, halves=QK_HALVES) -> dict:
     """What a sweep will do: points, timed candidates and distinct compiled variants, and the estimated
-    time (``span``: the timings of :func:`spans` points twice)."""
+    time (``span``: the timings of :func:`spans` points twice; ``halves``: the qk halves timed)."""
     n_points = timings = 0
     variants = set()
     for op in ops:
@@ -216,10 +224,15 @@ def estimate(ops, points, sms: int, done=frozenset(), wide: bool = False, span: 
                 continue
             cands = build.candidates(op, m_b, n_b, tuning.DTYPES[dt], sms, wide)
             n_points += 1
-            timings += len(timed_parts(op, cands)) * (2 if span and spans(op, m_b) else 1)
-            variants.update(compiled_parts(op, dt, n_b, cands))
+            timings += len(timed_parts(op, cands, halves)) * (2 if span and spans(op, m_b) else 1)
+            variants.update(compiled_parts(op, dt, n_b, cands, halves))
     seconds = len(variants) * COMPILE_S + timings * TIMING_S
     return {"points": n_points, "timings": timings, "variants": len(variants), "estimate_s": seconds}
+
+
+def qk_halves(args) -> tuple[str, ...]:
+    """The qk halves a sweep times: ``--qk-half``'s, else both."""
+    return (args.qk_half,) if args.qk_half else QK_HALVES
 
 
 def spans(op: str, m_b: int) -> bool:
@@ -241,14 +254,18 @@ def measured_points(doc: dict | None) -> set:
     }
 
 
-def qk_winner(cands, gbps: dict[str, float], min_gain: float):
+def qk_winner(cands, gbps: dict[str, float], min_gain: float, untimed=None):
     """The qk winner from the halves' timings: the best forward half and the best backward half, each kept
-    at the heuristics' (``cands[0]``) unless beaten by ``min_gain``."""
+    at the heuristics' (``cands[0]``) unless beaten by ``min_gain``; a half with no timing (``--qk-half``)
+    is ``untimed``'s (the device table's winner; None: the heuristics')."""
     out = cands[0]
-    for side in ("fwd", "bwd"):
+    for side in QK_HALVES:
         by_label = {build.qk_half_label(c, side): c for c in cands}
         mine = {k: v for k, v in gbps.items() if k in by_label}
-        best = by_label[build.select_winner(mine, build.qk_half_label(cands[0], side), min_gain)]
+        if not mine:
+            best = untimed or cands[0]
+        else:
+            best = by_label[build.select_winner(mine, build.qk_half_label(cands[0], side), min_gain)]
         fields = (f"{side}_{k}" for k in ("tile_m", "blocks_per_sm", "occupancy"))
         out = replace(out, **{f: getattr(best, f) for f in fields})
     return out
@@ -287,7 +304,7 @@ def main(argv=None) -> int:
     base_doc = tuning.load(args.merge).doc if args.merge else None
     done = measured_points(base_doc)
     if args.estimate:
-        p = estimate(ops, points, args.sms or 132, done, args.wide, args.span)
+        p = estimate(ops, points, args.sms or 132, done, args.wide, args.span, qk_halves(args))
         print(
             f"{p['points']} points, {p['timings']} timings, {p['variants']} variants; ~{p['estimate_s'] / 60:.0f} min"
         )
@@ -328,7 +345,7 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
     doc["copy_gbps"] = round(copy_bw, 1)
     if base_doc is not None:
         doc = build.merge(base_doc, doc)
-    p = estimate(ops, points, sms, done, args.wide, args.span)
+    p = estimate(ops, points, sms, done, args.wide, args.span, qk_halves(args))
     print(f"{name} ({key}), copy {copy_bw:.0f} GB/s: {p['points']} points, {p['timings']} timings, ")
     print(f"{p['variants']} compiled variants; estimate ~{p['estimate_s'] / 60:.0f} min", flush=True)
     reps = args.reps
@@ -346,7 +363,15 @@ def sweep(args, command, device, ops, points, base_doc, done) -> int:
                 incumbent = host_incumbent(device_table, op, m_b, n_b, dtype)
                 span = args.span and spans(op, m_b)
                 runs.append(
-                    time_point(*point, args.wide, forward_doc, span=span, incumbent=incumbent, check=not args.no_check)
+                    time_point(
+                        *point,
+                        args.wide,
+                        forward_doc,
+                        span=span,
+                        incumbent=incumbent,
+                        check=not args.no_check,
+                        halves=qk_halves(args),
+                    )
                 )
                 timed += len(runs[-1]["gbps"]) + len(runs[-1].get("span", {}).get("gbps", {}))
             if runs:
@@ -437,6 +462,7 @@ def time_point(
     span=False,
     incumbent=None,
     check=True,
+    halves=QK_HALVES,
 ) -> dict:
     """One run: every candidate at (m_b, n_b) timed through the product's host path (each half of a qk
     candidate once), and ``incumbent`` (the device's table's winner there) where the candidates lack it, so
@@ -445,7 +471,8 @@ def time_point(
     records ``"timed"``. With ``span`` every candidate is timed at ``build.span_rows(m_b)`` rows too (the run's
     ``"span"``) and the winner chosen by ``build.scores``. With ``check`` each candidate first computes its op
     against float64 (:mod:`.candidate_check`); one whose values are wrong is not timed, and the run's
-    ``"failed"`` records its errors."""
+    ``"failed"`` records its errors. A qk point times the halves in ``halves`` only; the other half of its
+    winner is ``incumbent``'s."""
     after = op == "backward" and forward_doc is not None
     w = torch.randn(n_b, dtype=dtype, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -471,6 +498,8 @@ def time_point(
 
     def time_all(m: int) -> dict[str, float]:
         sets, parts = _inputs(op, m, n_b, dtype, device)
+        if op == "qk":
+            parts = {side: part for side, part in parts.items() if side in halves}
         if after:
             parts = {"": (traffic.full_bytes(m, n_b, dtype.itemsize), AFTER_FORWARD)}
         gbps = {}
@@ -491,7 +520,7 @@ def time_point(
 
     run = {"m": m_b, "gbps": time_all(m_b)}
     if op == "qk":
-        run = {"m": m_b, "winner": asdict(qk_winner(cands, run["gbps"], min_gain)), "gbps": run["gbps"]}
+        run = {"m": m_b, "winner": asdict(qk_winner(cands, run["gbps"], min_gain, incumbent)), "gbps": run["gbps"]}
     else:
         if span:
             m_span = build.span_rows(m_b)
