@@ -273,6 +273,8 @@ def test_module_matches_the_function_and_checks_where_it_is_built():
         tilegym_rms.GatedRMSNorm(16, backend="cuda")
     with pytest.raises(ValueError, match="activation must be one of 'silu', 'sigmoid', got 'tanh'"):
         tilegym_rms.GatedRMSNorm(16, activation="tanh")
+    default_eps = tilegym_rms.GatedRMSNorm(16, eps=None)  # torch's default, as RMSNorm and gated_rms_norm take it
+    assert torch.equal(default_eps(x, z), tilegym_rms.gated_rms_norm(x, z, default_eps.weight, None))
     sig = tilegym_rms.GatedRMSNorm(16, eps=1e-5, activation="sigmoid")
     assert "activation='sigmoid'" in repr(sig)
     assert rel_err(sig(x, z), fp64_gated(x, z, None, 1e-5, None, True, activation="sigmoid")) <= 1e-6

@@ -74,7 +74,8 @@ class GatedRMSNorm(torch.nn.Module):
     """The gated RMSNorm of hybrid models as a module: ``forward(x, z)`` runs :func:`tilegym_rms.gated_rms_norm`.
 
     ``hidden_size`` is the normalized last dim; ``group_size``, ``norm_before_gate``, ``offset``,
-    ``casting_mode``, ``activation`` and ``backend`` as in that function. The weight (``(hidden_size,)``, without
+    ``casting_mode``, ``activation`` and ``backend`` as in that function; ``eps=None`` is torch's default, as in
+    :class:`RMSNorm`. The weight (``(hidden_size,)``, without
     it when ``elementwise_affine=False``) starts at ``1 - offset``, so that a fresh norm scales by 1.
     """
 
@@ -106,7 +107,8 @@ class GatedRMSNorm(torch.nn.Module):
         _checks.check_activation(activation)
         if backend is not None:
             check_backend_name(backend)
-        self.hidden_size, self.eps, self.group_size = hidden_size, _checks.check_eps(eps), group_size
+        eps = None if eps is None else _checks.check_eps(eps)  # None: torch's default, as in RMSNorm
+        self.hidden_size, self.eps, self.group_size = hidden_size, eps, group_size
         self.norm_before_gate, self.offset = norm_before_gate, offset
         self.casting_mode, self.activation, self.backend = casting_mode, activation, backend
         if elementwise_affine:
