@@ -116,6 +116,18 @@ def test_default_rms_norm_is_torchs_bits(x_dtype, w_dtype, shape):
     assert_bits(tilegym_rms.rms_norm(rows, w, 1e-6), torch.nn.functional.rms_norm(rows, shape[-1:], w, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_a_strided_last_dim_gives_the_bits_of_its_dense_copy(dtype):
+    """Rows whose elements are not adjacent (``x.t()``) are normalized as their dense copy, the bits F.rms_norm
+    gives that copy (README, "Casting modes"); torch's result for the strided layout itself may differ by an ulp."""
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(64, 10, generator=g, dtype=dtype).t(), torch.randn(64, generator=g, dtype=dtype)
+    assert x.stride(-1) != 1
+    want = torch.nn.functional.rms_norm(x.contiguous(), (64,), w, 1e-6)
+    assert_bits(tilegym_rms.rms_norm(x, w, 1e-6), want)
+    assert_bits(tilegym_rms.RMSNorm(64, dtype=dtype)(x), torch.nn.RMSNorm(64, dtype=dtype)(x.contiguous()))
+
+
 @pytest.mark.parametrize("eps", [None, 1e-5])
 @pytest.mark.parametrize("w_dtype", [*DROPIN_DTYPES, torch.float64], ids=str)
 @pytest.mark.parametrize("x_dtype", DROPIN_DTYPES, ids=str)
