@@ -27,6 +27,16 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t2
 
 
+_peek_func_transform = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
+
+
+def under_func_transform() -> bool:
+    """Whether a torch.func transform (``vmap``, ``grad``, ``jacrev``, ``jvp``, ...) runs this call. The kernels
+    and the eager autograd Functions are opaque to those transforms; the reference's torch math, which defines
+    what the kernels compute, is not: the public functions run it there."""
+    return _peek_func_transform() is not None
+
+
 def _backend(x: torch.Tensor, name: str):
     module = backend_module(name)
     _checks.check_dtype_for_backend(x, name, module.SUPPORTED_DTYPES)

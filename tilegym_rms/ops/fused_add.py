@@ -11,7 +11,7 @@ from .. import _checks, reference
 from ..dispatch import backend_module, resolve_backend
 from ..integrations import dtensor as _dtensor
 from ..reference import DEFAULT_CASTING_MODE
-from .common import WIRING, _backend, _backward, _dense_weight, _forward, _rows
+from .common import WIRING, _backend, _backward, _dense_weight, _forward, _rows, under_func_transform
 from .norm import _bwd_op_with_optional_dw, _rms_norm_bwd_fake
 
 
@@ -217,6 +217,8 @@ def fused_add_rms_norm(
         _dtensor.register()  # as in rms_norm
         y, res_out, _ = _fused_add_fwd_op(x, residual, weight, eps, mode, offset, casting_mode, backend, WIRING)
         return y, (res_out if mode == "pre" else y)
+    if under_func_transform():  # as in rms_norm: torch.func transforms see through the reference's math
+        return reference.fused_add_rms_norm_forward(x, residual, weight, eps, mode, offset, casting_mode)[:2]
     needs_grad = x.requires_grad or residual.requires_grad or (weight is not None and weight.requires_grad)
     if torch.is_grad_enabled() and needs_grad:
         return FusedAddRMSNormFunction.apply(x, residual, weight, eps, mode, offset, casting_mode, name)

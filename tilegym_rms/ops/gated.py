@@ -14,7 +14,7 @@ from .. import _checks, reference
 from ..dispatch import resolve_backend
 from ..integrations import dtensor as _dtensor
 from ..reference import DEFAULT_CASTING_MODE, compute_dtype, gated_groups
-from .common import WIRING, _backend, _dense_weight, _rows
+from .common import WIRING, _backend, _dense_weight, _rows, under_func_transform
 
 
 def _gated_module(x, z, backend):
@@ -212,6 +212,8 @@ def gated_rms_norm(
     if torch.compiler.is_compiling() or (type(x) is not torch.Tensor and _dtensor.is_dtensor(x)):
         _dtensor.register()  # as in rms_norm: the rules must exist before a traced call meets a DTensor
         return _gated_fwd_op(*args, backend, WIRING)[0]
+    if under_func_transform():  # as in rms_norm: torch.func transforms see through the reference's math
+        return reference.gated_rms_norm_forward(*args)[0]
     name = resolve_backend(x.device, backend)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, z, weight)):
         return GatedRMSNormFunction.apply(*args, name)

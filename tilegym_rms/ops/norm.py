@@ -11,7 +11,7 @@ from .. import _checks, reference
 from ..dispatch import backend_module, resolve_backend
 from ..integrations import dtensor as _dtensor
 from ..reference import DEFAULT_CASTING_MODE
-from .common import WIRING, _backward, _forward
+from .common import WIRING, _backward, _forward, under_func_transform
 
 # ----------------------------------------------------------------------------------------------
 # Eager autograd
@@ -150,7 +150,9 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode=DEFAULT_CASTI
     deterministic.
 
     Double backward (``create_graph=True``) works in eager mode (the backward is then computed with
-    torch math); ``torch.compile`` does not support it.
+    torch math); ``torch.compile`` does not support it. Under ``torch.func`` transforms (``vmap``, ``grad``,
+    ``jacrev``, ``jvp``, ...) the call computes the reference's torch math (:mod:`tilegym_rms.reference`), which
+    every transform sees through, instead of the kernels.
     """
     eps, offset = _checks.check_inputs(x, weight, eps, offset, casting_mode)
     name = resolve_backend(x.device, backend)
@@ -159,6 +161,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode=DEFAULT_CASTI
         # call meets one (register() is a constant of the trace: it runs once while Dynamo traces).
         _dtensor.register()
         return _rms_norm_fwd_op(x, weight, eps, offset, casting_mode, backend, kernel, WIRING)[0]
+    if under_func_transform():
+        return reference.rms_norm_forward(x, weight, eps, offset, casting_mode)[0]
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return RMSNormFunction.apply(x, weight, eps, offset, casting_mode, name, kernel)
     return _forward(x, weight, eps, offset, casting_mode, name, kernel, store_rstd=False)[0]

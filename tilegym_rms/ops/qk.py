@@ -11,7 +11,7 @@ from .. import _checks, reference
 from ..dispatch import resolve_backend
 from ..integrations import dtensor as _dtensor
 from ..reference import DEFAULT_CASTING_MODE
-from .common import WIRING, _backend, _backward, _dense_weight, _forward
+from .common import WIRING, _backend, _backward, _dense_weight, _forward, under_func_transform
 from .norm import rms_norm
 
 # ----------------------------------------------------------------------------------------------
@@ -261,6 +261,11 @@ def qk_rms_norm(
     name = resolve_backend(q.device, backend)
     if torch.compiler.is_compiling():
         return _qk_fwd_op(q, k, q_weight, k_weight, eps, offset, casting_mode, backend, WIRING)[:2]
+    if under_func_transform():  # as in rms_norm: torch.func transforms see through the reference's math
+        ref = (
+            reference.rms_norm_forward(t, w, eps, offset, casting_mode)[0] for t, w in ((q, q_weight), (k, k_weight))
+        )
+        return tuple(ref)
     tensors = (q, k, q_weight, k_weight)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return QKRMSNormFunction.apply(q, k, q_weight, k_weight, eps, offset, casting_mode, name)
