@@ -41,6 +41,7 @@ def test_empty_inputs():
         ({"weight": torch.ones(5)}, ValueError, r"shape \(4,\)"),
         ({"weight": torch.ones(2, 2)}, ValueError, r"shape \(4,\)"),
         ({"weight": torch.ones(4, dtype=torch.int64)}, TypeError, "floating-point"),
+        ({"weight": torch.ones(4).to(torch.float8_e4m3fn)}, TypeError, "16 bits or more, got torch.float8_e4m3fn"),
         ({"eps": -1e-6}, ValueError, "non-negative"),
         ({"eps": float("nan")}, ValueError, "non-negative"),
         ({"casting_mode": "fp8"}, ValueError, "'llama', 'gemma', 'none'"),

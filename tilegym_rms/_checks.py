@@ -36,6 +36,7 @@ def check_inputs(x, weight, eps, offset, casting_mode, names=("x", "weight")) ->
         or weight.dim() != 1
         or weight.shape[0] != n
         or not weight.is_floating_point()
+        or weight.dtype.itemsize == 1  # the float8 types: no arithmetic on them
         or weight.device != x.device
     ):
         _explain_weight(weight, x, n, names)
@@ -97,6 +98,10 @@ def _explain_weight(weight, x, n: int, names) -> None:
         raise ValueError(f"{w_name} must have shape ({n},) (the last dim of {x_name}), got {tuple(weight.shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"{w_name} must be a floating-point tensor, got {weight.dtype}")
+    if weight.dtype.itemsize == 1:
+        raise TypeError(
+            f"{w_name} must be a float of 16 bits or more, got {weight.dtype}: cast it (e.g. to {x_name}'s dtype)"
+        )
     raise ValueError(
         f"{x_name} and {w_name} must be on the same device, got {x_name} on {x.device}, {w_name} on {weight.device}"
     )

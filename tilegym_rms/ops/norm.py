@@ -130,7 +130,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting_mode=DEFAULT_CASTI
     Args:
         x: any shape ``(..., N)``; float32, float16 or bfloat16 (float64 on the torch backend).
             Non-contiguous inputs are fine (strided rows are read in place; others are copied once).
-        weight: ``(N,)`` of any floating dtype, or None for RMSNorm without affine.
+        weight: ``(N,)`` of any floating dtype of 16 bits or more, or None for RMSNorm without affine.
         eps: added to the mean square; a real number ``>= 0`` (int, float, numpy scalar or 0-dim CPU tensor),
             or None for torch's default: the machine epsilon of fp32 (of fp64 for fp64 ``x``).
         offset: added to the weight (Gemma uses 1.0); must be 0 without a weight.
