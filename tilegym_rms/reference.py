@@ -12,9 +12,11 @@ Gemma, Liger):
 * ``"llama"``: ``rstd`` in fp32; ``x * rstd`` is rounded to the input dtype, then multiplied by
   ``offset + weight`` (computed in fp32) and rounded again.
 * ``"gemma"``: everything in fp32, ``(offset + weight)`` in fp32, one rounding at the end.
-* ``"none"``: the input dtype wherever it cannot overflow: the mean square is accumulated in fp32
-  (in fp16 it would overflow once a row's RMS passes 256), ``rstd`` is rounded to the input dtype,
-  and ``x * rstd`` and the weight product are each rounded to the input dtype.
+* ``"none"``: the input dtype wherever the data cannot overflow it: the mean square is accumulated in
+  fp32 (in fp16 it would overflow once a row's RMS passes 256), ``rstd`` is rounded to the input dtype
+  (in fp16 it is inf once ``mean(x^2) + eps`` falls below 2.3e-10: a row near zero with ``eps`` below that,
+  as in models that round rstd to fp16), and ``x * rstd`` and the weight product are each
+  rounded to the input dtype.
 
 ``rstd`` is returned in fp32 (fp64 for fp64 input, so that ``gradcheck`` is exact). The backward
 is the exact derivative of the fp32 math for every mode: rounding steps pass gradients through.
