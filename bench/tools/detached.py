@@ -57,7 +57,7 @@ def poll(job: Path, seconds: float, patterns: list[str], to: Path | None, lines:
         return 2
     deadline = time.monotonic() + seconds
     while not (job / "rc").exists() and time.monotonic() < deadline:
-        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     rc_text = (job / "rc").read_text().strip() if (job / "rc").exists() else ""
     if to is not None:
         to.mkdir(parents=True, exist_ok=True)
