@@ -80,3 +80,26 @@ def test_the_fused_add_qk_and_gated_norms_compose_with_grad_and_vmap(name):
     for mine, eager in zip(got, leaves, strict=True):
         torch.testing.assert_close(mine, eager.grad, rtol=1e-5, atol=1e-5)
     assert torch.equal(vmap(call)(X, OTHER), call(X, OTHER))  # rows are independent: vmap over the first dim
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_on_cuda_tensors_transforms_run_the_reference_and_the_eager_call_the_kernel(dtype):
+    """On a GPU the eager call runs the kernels and a transform the reference's torch math: both against float64."""
+    ours, _ = modules(dtype)
+    ours = ours.cuda()
+    x = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(9)).to(dtype).cuda()
+    x64, w64 = x.double(), ours.weight.detach().double()
+    expected = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + EPS) * w64
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for got in (ours(x), vmap(ours)(x), vmap(ours, in_dims=1, out_dims=1)(x)):
+        assert got.device == x.device and got.dtype == dtype
+        torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+
+    params = {k: v.detach() for k, v in ours.named_parameters()}
+    loss = lambda p, xi: functional_call(ours, p, (xi,)).float().square().sum()  # noqa: E731
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)["weight"]
+    for i in range(x.shape[0]):  # the eager autograd path (the kernels' backward), one sample at a time
+        ours.zero_grad()
+        ours(x[i]).float().square().sum().backward()
+        torch.testing.assert_close(per_sample[i].float(), ours.weight.grad.float(), rtol=tol, atol=tol * 10)
