@@ -550,6 +550,40 @@ def test_overlay_leaves_out_the_sweep_entries_named(tune_table, tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_overlay_leaves_out_one_measured_bucket_of_a_width(tune_table, tmp_path):
+    """--leave-out OP/DTYPE/N/M: at that bucket the base's winner stays though the sweep's beat it there (an A/B
+    rejected it at the rows that bucket holds), and the width's other measured bucket lands; M must be a bucket the
+    sweep timed at that width."""
+    n = 1152
+    incumbent = {m: config.backward_candidate(m, n, BF16, SMS) for m in (8192, 32768)}
+    challenger = config.BackwardCandidate("persistent", 8, 1024, 128, 2, 2, 0)
+    assert challenger not in incumbent.values() and tuning.candidate_error("backward", challenger, n) is None
+    runs = [
+        {
+            "m": m,
+            "winner": asdict(challenger),
+            "gbps": {build.label("backward", incumbent[m]): 2000.0, build.label("backward", challenger): 2400.0},
+        }
+        for m in (8192, 32768)
+    ]
+    sweep = build.new_doc("sm90_132sm", "test", (9, 0), SMS, "measured", "sweep")
+    build.set_runs(sweep, "backward", "bf16", n, runs)
+    sweep_path, out = tmp_path / "sweep.json", tmp_path / "out.json"
+    sweep_path.write_text(json.dumps(sweep))
+    args = ["--overlay", str(sweep_path), "--out", str(out), "--min-gain", "0.02"]
+    assert tune_table.main([*args, "--leave-out", f"backward/bf16/{n}/32768"]) == 0
+    table = tuning.load(json.loads(out.read_text()))
+    assert table.lookup("backward", 8192, n, BF16) == challenger
+    for m in (32768, 65536):  # the base's winner at the bucket left out, and above it
+        assert table.lookup("backward", m, n, BF16) == incumbent[32768], m
+    assert tune_table.main(args) == 0  # without it the sweep's winner lands at both
+    assert tuning.load(json.loads(out.read_text())).lookup("backward", 32768, n, BF16) == challenger
+    for wrong in (f"backward/bf16/{n}/16384", f"backward/bf16/{n}/x", "backward/bf16/2048/32768"):
+        with pytest.raises(SystemExit):
+            tune_table.main([*args[:2], "--out", str(tmp_path / "x.json"), "--leave-out", wrong])
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_a_sweep_command_reaches_the_sweep(tune_table, monkeypatch, tmp_path):
     # main() once shadowed the sweep function with a local of the same name, so every GPU sweep died
     # with UnboundLocalError before timing anything; the CPU tests only ever ran --estimate and --overlay.

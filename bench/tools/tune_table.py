@@ -151,11 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--leave-out",
-        metavar="OP/DTYPE[/N]",
+        metavar="OP/DTYPE[/N[/M]]",
         action="append",
         default=[],
         help="--overlay: a sweep entry not to lay over (e.g. forward/bf16/8192, one an A/B rejected), or every "
-        "width of a dtype (fused_forward/fp32, one no A/B has timed yet); repeatable",
+        "width of a dtype (fused_forward/fp32, one no A/B has timed yet), or one M bucket of a width "
+        "(backward/bf16/1152/32768: the base's winner stays there, the sweep's other buckets land); repeatable",
     )
     parser.add_argument(
         "--base",
@@ -279,7 +280,10 @@ def main(argv=None) -> int:
         if not args.out:
             parser.error("--overlay needs --out")
         try:  # validated, in the current schema
-            measured = build.without(tuning.load(args.overlay).doc, args.leave_out)
+            swept = tuning.load(args.overlay).doc
+            buckets = [e for e in args.leave_out if e.count("/") == 3]
+            keep_base = build.measured_buckets(swept, buckets)
+            measured = build.without(swept, [e for e in args.leave_out if e not in buckets])
         except tuning.TuningTableError as e:
             parser.error(str(e))
         dev = measured["device"]
@@ -289,7 +293,7 @@ def main(argv=None) -> int:
                 base = build.card_start(base, dev)  # the card's first table, begun from its class's
         else:
             base = build.analytic_doc(dev["key"], dev["name"], dev["capability"], dev["sms"], command)
-        write(build.overlay(base, measured, args.min_gain), args)
+        write(build.overlay(base, measured, args.min_gain, keep_base), args)
         print(f"wrote {args.out} ({dev['key']}, {args.overlay} over {args.base or 'the analytic table'})")
         return 0
     if args.analytic:

@@ -402,7 +402,7 @@ def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dic
     return {**run, "winner": incumbent}
 
 
-def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
+def overlay(base: dict, sweep: dict, min_gain: float = 0.01, keep_base: Iterable[tuple] = ()) -> dict:
     """A sparse sweep (a few M buckets) laid over ``base`` (the analytic table, or a shipped table whose other entries
     must stay), M bucket by M bucket: a measured winner stands for the buckets above its own while the base's choice
     there stays the one it was measured against (so M buckets where the heuristics switch kernel, e.g. to the gather
@@ -414,13 +414,20 @@ def overlay(base: dict, sweep: dict, min_gain: float = 0.01) -> dict:
     Entries the sweep did not measure stay as in ``base``, and so do the base's own measured runs at M buckets the
     sweep did not measure: a sweep winner stands for the buckets above its own only up to the next bucket either
     table measured. At a bucket the sweep measured, the winner the base launched there stays unless the sweep's
-    beats it by ``min_gain`` (:func:`_incumbent_kept`)."""
+    beats it by ``min_gain`` (:func:`_incumbent_kept`), and at the buckets ``keep_base`` names (``(op, dtype, N, M)``,
+    from :func:`measured_buckets`: where an A/B rejected the sweep's winner) it stays whatever the sweep timed."""
+    keep_base = set(keep_base)
     out = merge(base, {**sweep, **{op: {} for op in OPS}})
     for op in OPS:  # in order: the forward is overlaid before the fused forward falls back to it
         for dt, by_n in sweep.get(op, {}).items():
             for key, measured_runs in by_n.items():
                 ref_runs = _reference_runs(out, base, op, dt, key)
-                measured_runs = [_incumbent_kept(op, r, _winner_at(ref_runs, r["m"]), min_gain) for r in measured_runs]
+                measured_runs = [
+                    {**r, "winner": _winner_at(ref_runs, r["m"])}
+                    if (op, dt, key, r["m"]) in keep_base
+                    else _incumbent_kept(op, r, _winner_at(ref_runs, r["m"]), min_gain)
+                    for r in measured_runs
+                ]
                 points = {r["m"]: r for r in measured_runs}
                 own = out.get(op, {}).get(dt, {}).get(key) or []  # not a fallback's: measured for another op
                 base_points = {r["m"]: r for r in own if "gbps" in r and r["m"] not in points}
@@ -470,6 +477,19 @@ def without(doc: dict, entries: Iterable[str]) -> dict:
             left.pop(key, None)
         if not left:
             out[op].pop(dt, None)
+    return out
+
+
+def measured_buckets(doc: dict, entries: Iterable[str]) -> set[tuple[str, str, str, int]]:
+    """The runs of a sweep ``doc`` named ``"op/dtype/N/M"`` (M a bucket the sweep timed at that width), as
+    ``(op, dtype, N, M)`` for :func:`overlay`'s ``keep_base``; a name the sweep lacks is refused."""
+    out = set()
+    for entry in entries:
+        op, dt, n, m = entry.split("/")
+        runs = doc.get(op, {}).get(dt, {}).get(n, [])
+        if not m.isdigit() or int(m) not in {r["m"] for r in runs}:
+            raise TuningTableError(f"{entry!r} names no run of the sweep (op/dtype/N/M, e.g. backward/bf16/1152/32768)")
+        out.add((op, dt, n, int(m)))
     return out
 
 
