@@ -166,4 +166,5 @@ def test_the_readmes_speed_summary_quotes_the_results():
     h200 = summary_of("h200")
     line = " ".join(readme[readme.index("NVIDIA H200 (") :].split("\n\n")[0].split())  # one paragraph, one line
     assert f"forward {h200['forward'][1]}, backward {h200['backward'][1]}, forward + backward {h200['full'][1]}" in line
-    assert f"QK-norm beside torch.compile alone: forward {h200['qk_fwd'][1]}, backward {h200['qk_bwd'][1]}" in line
+    qk = f"forward {h200['qk_fwd'][1]}, backward {h200['qk_bwd'][1]}"
+    assert f"QK-norm beside torch.compile (and quack at head dims 64, 128, 256): {qk}" in line
