@@ -162,7 +162,8 @@ def record_key(rec: dict) -> tuple:
 
 
 def merge_records(old: list[dict], new: list[dict]) -> list[dict]:
-    """Point-wise merge: a new point replaces the old point with the same key and x; other old points stay."""
+    """Point-wise merge: a new point replaces the old point with the same key and x; other old points stay, under
+    the new record's run metadata (timestamp, copy bandwidth: one per record), as RESULTS.md says."""
     merged: dict[tuple, dict] = {record_key(r): r for r in old}
     for rec in new:
         key = record_key(rec)

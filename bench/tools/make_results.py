@@ -96,8 +96,10 @@ TABLES = f"""\
 
 Throughput tables: GB/s of the minimal traffic of the op (`bench/common/traffic.py`) over the median GPU time per
 call, with the share of the device-to-device copy bandwidth measured in the same run in brackets; inputs
-rotate through more than 4x the L2 cache. Each file names its timing method; `profiler` is the
-{base.METHOD_TEXT["profiler"]}.
+rotate through more than 4x the L2 cache. A re-run replaces the points it measures and keeps a record's others
+(a provider's points at one row count and dtype): their share is then of the re-run's copy bandwidth, within
+about 0.3% of their own run's on one card, and the record's time is the re-run's. Each file names its timing
+method; `profiler` is the {base.METHOD_TEXT["profiler"]}.
 The first call of every provider and shape was checked against float64 math: `!` marks a failed check,
 `{MISSING}` a point not measured. **Bold**: cuTile at or above every other provider of the row. The JSON
 also has the 20th/80th percentiles and the times in ms.
