@@ -85,7 +85,7 @@ def discover_providers(
     for name in names:
         try:
             if name in base.OWN_MEASURE_ONLY:
-                skipped[name] = "a provider of --measure fused_add, fp8 or gated only"
+                skipped[name] = "a provider of --measure fused_add, qk_norm, fp8 or gated only"
             elif name.startswith("tilegym_rms-"):
                 backend = name.split("-", 1)[1]
                 why = _backend_unavailable(backend, avail, tilegym_rms, tilegym_rms_error)
@@ -270,6 +270,12 @@ def discover_qk_providers(
     avail, tilegym_rms, tilegym_rms_error = _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error)
     for name in (n for n in names if n.startswith("tilegym_rms-")):
         backend = name.split("-", 1)[1]
+        if backend == "unfused":  # the default backend's rms_norm on q, then on k: the plain kernels, twice
+            if tilegym_rms is None:
+                skipped[name] = f"tilegym_rms not importable ({tilegym_rms_error})"
+            else:
+                found.append(Provider(name, _on_q_and_k(_tilegym_rms_provider(name, tilegym_rms, None, eps))))
+            continue
         why = _backend_unavailable(backend, avail, tilegym_rms, tilegym_rms_error)
         if why:
             skipped[name] = why

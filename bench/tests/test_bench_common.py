@@ -370,16 +370,17 @@ def test_qk_norm_bytes_count_q_and_k():
 
 
 def test_qk_norm_measure_cpu_mode(tmp_path, monkeypatch, capsys):
-    """--measure qk_norm in the CPU test mode: forward and backward points of ours and a peer called twice,
-    each checked against float64 for q and for k."""
+    """--measure qk_norm in the CPU test mode: forward and backward points of ours, of our plain norm and of a peer
+    called on q and on k, each checked against float64 for q and for k."""
     monkeypatch.setenv(base.CPU_ENV, "1")
     argv = ["--measure", "qk_norm", "--M", "256", "--N", "64", "--reps", "2", "--out", str(tmp_path)]
-    argv += ["--providers", "tilegym_rms-torch,torch", "--no-plot"]
+    argv += ["--providers", "tilegym_rms-torch,tilegym_rms-unfused,torch", "--no-plot"]
     assert bench_rmsnorm.main(argv) == 0
     assert "QK-norm (q and k per head), backward (autograd)" in capsys.readouterr().out
     saved = [r for r in json.loads((tmp_path / "rms_norm.json").read_text()) if r["metric_name"] == "throughput"]
     assert {r["kernel_operation_mode"] for r in saved} == set(traffic.QK_OPS)  # both ways, every layout
-    assert {r["kernel_provider"] for r in saved} == {"tilegym_rms-torch", "torch"}
+    # tilegym_rms-unfused: the plain norm on q, then on k (the default backend, here the reference)
+    assert {r["kernel_provider"] for r in saved} == {"tilegym_rms-torch", "tilegym_rms-unfused", "torch"}
     for rec in saved:
         assert json.loads(rec["extra_benchmark_config_str"])["suite"] == "qk_norm"
         assert rec["x_values"] == [64] and not rec.get("mismatch_x_values")
