@@ -543,8 +543,8 @@ def test_overlay_leaves_out_the_sweep_entries_named(tune_table, tmp_path):
         assert asdict(table.lookup("forward", 4096, n, BF16)) == asdict(config.forward_candidate(4096, n, BF16, SMS))
         assert asdict(table.lookup("forward", 4096, n, BF16)) != winners[n]
     assert asdict(table.lookup("forward", 4096, 2048, torch.float16)) == fp16_winner  # the other dtype lands
-    # a width or dtype the sweep lacks, a fourth part, an op alone
-    for wrong in ("forward/bf16/8192", "forward/fp32", "forward/bf16/4096/1", "forward"):
+    # a width or dtype the sweep lacks, a fifth part, an op alone
+    for wrong in ("forward/bf16/8192", "forward/fp32", "forward/bf16/4096/4096/1", "forward"):
         with pytest.raises(SystemExit):
             tune_table.main(["--overlay", str(sweep_path), "--out", str(tmp_path / "x.json"), "--leave-out", wrong])
     assert not (tmp_path / "x.json").exists()
@@ -552,8 +552,9 @@ def test_overlay_leaves_out_the_sweep_entries_named(tune_table, tmp_path):
 
 def test_overlay_leaves_out_one_measured_bucket_of_a_width(tune_table, tmp_path):
     """--leave-out OP/DTYPE/N/M: at that bucket the base's winner stays though the sweep's beat it there (an A/B
-    rejected it at the rows that bucket holds), and the width's other measured bucket lands; M must be a bucket the
-    sweep timed at that width."""
+    rejected it at the rows that bucket holds), and the width's other measured bucket lands, the kept bucket's
+    timings staying in the table as evidence; M must be a bucket the sweep timed at that width, outside any width
+    or dtype left out whole."""
     n = 1152
     incumbent = {m: config.backward_candidate(m, n, BF16, SMS) for m in (8192, 32768)}
     challenger = config.BackwardCandidate("persistent", 8, 1024, 128, 2, 2, 0)
@@ -576,11 +577,22 @@ def test_overlay_leaves_out_one_measured_bucket_of_a_width(tune_table, tmp_path)
     assert table.lookup("backward", 8192, n, BF16) == challenger
     for m in (32768, 65536):  # the base's winner at the bucket left out, and above it
         assert table.lookup("backward", m, n, BF16) == incumbent[32768], m
+    kept = next(r for r in json.loads(out.read_text())["backward"]["bf16"][str(n)] if r["m"] == 32768)
+    assert kept["gbps"] == runs[1]["gbps"] and kept["winner"] == asdict(incumbent[32768])
     assert tune_table.main(args) == 0  # without it the sweep's winner lands at both
     assert tuning.load(json.loads(out.read_text())).lookup("backward", 32768, n, BF16) == challenger
-    for wrong in (f"backward/bf16/{n}/16384", f"backward/bf16/{n}/x", "backward/bf16/2048/32768"):
+    # a bucket the sweep did not time, not a number, a width it lacks; a bucket of a width or dtype left out whole
+    for wrong in (
+        [f"{n}/16384"],
+        [f"{n}/x"],
+        [f"{n}/\u00b3"],
+        ["2048/32768"],
+        [f"{n}/32768", f"{n}"],
+        [f"{n}/32768", ""],
+    ):
+        names = [f"backward/bf16/{w}".rstrip("/") for w in wrong]
         with pytest.raises(SystemExit):
-            tune_table.main([*args[:2], "--out", str(tmp_path / "x.json"), "--leave-out", wrong])
+            tune_table.main([*args[:2], "--out", str(tmp_path / "x.json"), *(f"--leave-out={e}" for e in names)])
     assert not (tmp_path / "x.json").exists()
 
 

@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="--overlay: a sweep entry not to lay over (e.g. forward/bf16/8192, one an A/B rejected), or every "
         "width of a dtype (fused_forward/fp32, one no A/B has timed yet), or one M bucket of a width "
-        "(backward/bf16/1152/32768: the base's winner stays there, the sweep's other buckets land); repeatable",
+        "(backward/bf16/1152/32768: the base's winner stays there, a qk winner's both halves, and the sweep's other "
+        "buckets land); repeatable",
     )
     parser.add_argument(
         "--base",
@@ -280,10 +281,7 @@ def main(argv=None) -> int:
         if not args.out:
             parser.error("--overlay needs --out")
         try:  # validated, in the current schema
-            swept = tuning.load(args.overlay).doc
-            buckets = [e for e in args.leave_out if e.count("/") == 3]
-            keep_base = build.measured_buckets(swept, buckets)
-            measured = build.without(swept, [e for e in args.leave_out if e not in buckets])
+            measured, keep_base = build.leave_out(tuning.load(args.overlay).doc, args.leave_out)
         except tuning.TuningTableError as e:
             parser.error(str(e))
         dev = measured["device"]

@@ -415,7 +415,8 @@ def overlay(base: dict, sweep: dict, min_gain: float = 0.01, keep_base: Iterable
     sweep did not measure: a sweep winner stands for the buckets above its own only up to the next bucket either
     table measured. At a bucket the sweep measured, the winner the base launched there stays unless the sweep's
     beats it by ``min_gain`` (:func:`_incumbent_kept`), and at the buckets ``keep_base`` names (``(op, dtype, N, M)``,
-    from :func:`measured_buckets`: where an A/B rejected the sweep's winner) it stays whatever the sweep timed."""
+    from :func:`leave_out`: where an A/B rejected the sweep's winner) it stays whatever the sweep timed (for an op
+    without a base entry, what the fallback would launch there)."""
     keep_base = set(keep_base)
     out = merge(base, {**sweep, **{op: {} for op in OPS}})
     for op in OPS:  # in order: the forward is overlaid before the fused forward falls back to it
@@ -470,7 +471,8 @@ def without(doc: dict, entries: Iterable[str]) -> dict:
         by_n = doc.get(op, {}).get(dt, {})
         if not by_n or (n is not None and n not in by_n):
             raise TuningTableError(
-                f"{entry!r} names no entry of the sweep (op/dtype/N or op/dtype, e.g. forward/bf16/8192)"
+                f"{entry!r} names no entry of the sweep (op/dtype/N or op/dtype, e.g. forward/bf16/8192; "
+                "op/dtype/N/M for one measured bucket)"
             )
         left = out[op].get(dt, {})
         for key in list(left) if n is None else [n]:
@@ -480,17 +482,23 @@ def without(doc: dict, entries: Iterable[str]) -> dict:
     return out
 
 
-def measured_buckets(doc: dict, entries: Iterable[str]) -> set[tuple[str, str, str, int]]:
-    """The runs of a sweep ``doc`` named ``"op/dtype/N/M"`` (M a bucket the sweep timed at that width), as
-    ``(op, dtype, N, M)`` for :func:`overlay`'s ``keep_base``; a name the sweep lacks is refused."""
-    out = set()
-    for entry in entries:
+def leave_out(doc: dict, entries: Iterable[str]) -> tuple[dict, set[tuple[str, str, str, int]]]:
+    """A sweep ``doc`` less the entries named, for :func:`overlay`: ``"op/dtype/N"`` and ``"op/dtype"`` leave out
+    a width or a dtype (:func:`without`); ``"op/dtype/N/M"`` (M a bucket the sweep timed at that width) keeps the
+    base's winner at that bucket, returned as ``(op, dtype, N, M)`` for ``overlay``'s ``keep_base`` (a qk winner
+    whole: both halves). A name the sweep lacks, or a bucket inside a width or dtype also left out, is refused."""
+    entries = list(entries)
+    buckets, whole = [e for e in entries if e.count("/") == 3], [e for e in entries if e.count("/") != 3]
+    keep = set()
+    for entry in buckets:
         op, dt, n, m = entry.split("/")
         runs = doc.get(op, {}).get(dt, {}).get(n, [])
-        if not m.isdigit() or int(m) not in {r["m"] for r in runs}:
+        if not re.fullmatch(r"[0-9]+", m) or int(m) not in {r["m"] for r in runs}:
             raise TuningTableError(f"{entry!r} names no run of the sweep (op/dtype/N/M, e.g. backward/bf16/1152/32768)")
-        out.add((op, dt, n, int(m)))
-    return out
+        if f"{op}/{dt}" in whole or f"{op}/{dt}/{n}" in whole:
+            raise TuningTableError(f"{entry!r} lies in a width or dtype that is left out whole")
+        keep.add((op, dt, n, int(m)))
+    return without(doc, whole), keep
 
 
 def source_of(doc: dict) -> str:
