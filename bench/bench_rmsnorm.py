@@ -156,7 +156,7 @@ prenorm=True); tilegym_rms-torch on request. --providers applies to both lists.
 qk_norm providers: tilegym_rms-cutile (tilegym_rms.qk_rms_norm, one launch each way), and each of torch,
 torch.compile, liger and quack (quack.rmsnorm.rmsnorm(x, w, eps=eps) on q's and k's rows, reshaped to 2-D;
 skipped where it does not import) called on q and on k; tilegym_rms-unfused (tilegym_rms.rms_norm on q, then
-on k: the plain kernels, two launches each way), tilegym_rms-triton / -torch on request.
+on k, two calls each way), tilegym_rms-triton / -torch on request.
 fp8 providers: tilegym_rms-cutile (tilegym_rms.rms_norm_fp8, fused_add_rms_norm_fp8: one kernel), torch.compile
 (tilegym_rms.reference.rms_norm_fp8_reference, the norm and its quantization, as one compiled function),
 tilegym_rms-unfused (tilegym_rms.rms_norm, or fused_add_rms_norm_ in place, then the reference's quantize_fp8);

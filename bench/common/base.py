@@ -62,10 +62,11 @@ PROVIDERS_ALL = (
     "mamba-torch",
 )
 PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "tilegym_rms-triton", "torch", "torch.compile", "liger", "tilegym")
-# Providers that run in one measure's own comparison only: our RMSNorm plus a step in torch, the residual add
-# before it (bench_rmsnorm.py --measure fused_add) or the FP8 quantization after it (--measure fp8), and
-# mamba_ssm's gated norm semantics in torch (--measure gated).
-OWN_MEASURE_ONLY = ("tilegym_rms-unfused", "mamba-torch")
+# Providers that run in some measures' own comparisons only, by the measures that take them: our RMSNorm plus
+# a step in torch (the residual add before it, bench_rmsnorm.py --measure fused_add; the FP8 quantization after
+# it, --measure fp8; the gate, --measure gated) or called on q and on k (--measure qk_norm), and mamba_ssm's gated
+# norm semantics in torch (--measure gated).
+OWN_MEASURE_ONLY = {"tilegym_rms-unfused": "fused_add, qk_norm, fp8 or gated", "mamba-torch": "gated"}
 FUSED_ADD_PROVIDERS_DEFAULT = (
     "tilegym_rms-cutile",
     "tilegym_rms-triton",

@@ -85,7 +85,7 @@ def discover_providers(
     for name in names:
         try:
             if name in base.OWN_MEASURE_ONLY:
-                skipped[name] = "a provider of --measure fused_add, qk_norm, fp8 or gated only"
+                skipped[name] = f"a provider of --measure {base.OWN_MEASURE_ONLY[name]} only"
             elif name.startswith("tilegym_rms-"):
                 backend = name.split("-", 1)[1]
                 why = _backend_unavailable(backend, avail, tilegym_rms, tilegym_rms_error)
@@ -261,8 +261,8 @@ def discover_qk_providers(
     names: list[str], device: torch.device, eps: float, tilegym_rms=None, tilegym_rms_error: str = ""
 ) -> tuple[list[Provider], dict[str, str]]:
     """The requested QK-norm providers that can run on ``device``, and a reason for each skipped one. Each
-    ``forward`` is (q, k, wq, wk) -> (q_out, k_out), autograd-capable: ours in one call, the peers' RMSNorm
-    called on each tensor."""
+    ``forward`` is (q, k, wq, wk) -> (q_out, k_out), autograd-capable: ours in one call (``qk_rms_norm``), the
+    peers' RMSNorm and ours (tilegym_rms-unfused: ``rms_norm``) called on each tensor."""
     plain, skipped = discover_providers(
         [n for n in names if not n.startswith("tilegym_rms-")], device, eps, tilegym_rms, tilegym_rms_error
     )

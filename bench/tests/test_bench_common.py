@@ -387,6 +387,29 @@ def test_qk_norm_measure_cpu_mode(tmp_path, monkeypatch, capsys):
         assert all(0 <= e <= base.TOLERANCE["bf16"] for e in rec["rel_err"])
 
 
+def test_our_plain_norm_on_q_and_k_is_a_qk_provider_only(monkeypatch):
+    """tilegym_rms-unfused in the QK-norm comparison calls the package's rms_norm on q and on k (each with its own
+    weight); the plain measures skip it, and mamba-torch, with the measures that take each."""
+    import tilegym_rms
+
+    calls = []
+    real = tilegym_rms.rms_norm
+    monkeypatch.setattr(tilegym_rms, "rms_norm", lambda x, w, *a, **kw: calls.append(x.shape) or real(x, w, *a, **kw))
+    found, skipped = providers.discover_qk_providers(["tilegym_rms-unfused"], torch.device("cpu"), 1e-6, tilegym_rms)
+    assert [p.name for p in found] == ["tilegym_rms-unfused"] and not skipped
+    q, k, wq, wk = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(8), torch.randn(8)
+    got = found[0].forward(q, k, wq, wk)
+    assert calls == [q.shape, k.shape]
+    for out, want in zip(got, tilegym_rms.qk_rms_norm(q, k, wq, wk, 1e-6), strict=True):
+        torch.testing.assert_close(out, want)
+    names = ["tilegym_rms-unfused", "mamba-torch"]
+    _, skipped = providers.discover_providers(names, torch.device("cpu"), 1e-6, tilegym_rms)
+    assert skipped == {
+        "tilegym_rms-unfused": "a provider of --measure fused_add, qk_norm, fp8 or gated only",
+        "mamba-torch": "a provider of --measure gated only",
+    }
+
+
 def test_qk_norm_measure_at_another_head_ratio(tmp_path, monkeypatch):
     """--qk-heads 8:1: q in 8 heads and k in 1 (k has M / 8 rows), the bytes counted for that ratio, each record
     naming it; a ratio M does not divide is refused before anything runs."""
