@@ -1,6 +1,6 @@
 """torch.func transforms (vmap, grad, jacrev, jvp, functional_call) over the public functions and the module,
-on the CPU: as torch.nn.RMSNorm and F.rms_norm they compose with every transform (the calls run the reference's
-torch math under a transform; the eager autograd Functions and the kernels are opaque to transforms)."""
+on the CPU and on a GPU: as torch.nn.RMSNorm and F.rms_norm they compose with every transform (the calls run the
+reference's torch math under a transform; the eager autograd Functions and the kernels are opaque to transforms)."""
 
 import pytest
 import torch
@@ -84,17 +84,28 @@ def test_the_fused_add_qk_and_gated_norms_compose_with_grad_and_vmap(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_on_cuda_tensors_transforms_run_the_reference_and_the_eager_call_the_kernel(dtype):
-    """On a GPU the eager call runs the kernels and a transform the reference's torch math: both against float64."""
-    ours, _ = modules(dtype)
-    ours = ours.cuda()
+def test_on_cuda_tensors_transforms_run_the_reference_and_the_eager_call_the_kernels(dtype, monkeypatch):
+    """On a GPU the eager call runs the cuTile kernels and a transform the reference's torch math: the forwards
+    against float64, the per-sample weight gradients against the kernels' backward one sample at a time."""
+    from tilegym_rms import cutile
+
+    launched = []
+    for name in ("forward", "backward"):
+        real = getattr(cutile, name)
+        monkeypatch.setattr(cutile, name, lambda *a, _real=real, _n=name, **kw: launched.append(_n) or _real(*a, **kw))
+    ours = tilegym_rms.RMSNorm(16, eps=EPS, dtype=dtype, backend="cutile").cuda()
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(16, generator=torch.Generator().manual_seed(1)) * 0.5 + 1)
     x = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(9)).to(dtype).cuda()
     x64, w64 = x.double(), ours.weight.detach().double()
     expected = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + EPS) * w64
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
-    for got in (ours(x), vmap(ours)(x), vmap(ours, in_dims=1, out_dims=1)(x)):
+    for call in (ours, vmap(ours), vmap(ours, in_dims=1, out_dims=1)):
+        before = len(launched)
+        got = call(x)
         assert got.device == x.device and got.dtype == dtype
         torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+        assert (len(launched) > before) == (call is ours), "the kernels run in the eager call only"
 
     params = {k: v.detach() for k, v in ours.named_parameters()}
     loss = lambda p, xi: functional_call(ours, p, (xi,)).float().square().sum()  # noqa: E731
@@ -103,3 +114,4 @@ def test_on_cuda_tensors_transforms_run_the_reference_and_the_eager_call_the_ker
         ours.zero_grad()
         ours(x[i]).float().square().sum().backward()
         torch.testing.assert_close(per_sample[i].float(), ours.weight.grad.float(), rtol=tol, atol=tol * 10)
+    assert "backward" in launched
