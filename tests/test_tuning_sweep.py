@@ -594,6 +594,9 @@ def test_overlay_leaves_out_one_measured_bucket_of_a_width(tune_table, tmp_path)
         with pytest.raises(SystemExit):
             tune_table.main([*args[:2], "--out", str(tmp_path / "x.json"), *(f"--leave-out={e}" for e in names)])
     assert not (tmp_path / "x.json").exists()
+    with pytest.raises(SystemExit):  # without --overlay there is nothing to leave out of
+        tune_table.main(["--analytic", "--sms", "132", "--out", str(tmp_path / "x.json"), "--leave-out", "a/b"])
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_a_sweep_command_reaches_the_sweep(tune_table, monkeypatch, tmp_path):

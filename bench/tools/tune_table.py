@@ -277,6 +277,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     command = "python -m bench.tools.tune_table " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.leave_out and not args.overlay:
+        parser.error("--leave-out names entries of the sweep an --overlay lays over: give --overlay")
     if args.overlay:
         if not args.out:
             parser.error("--overlay needs --out")
