@@ -579,6 +579,8 @@ def test_overlay_leaves_out_one_measured_bucket_of_a_width(tune_table, tmp_path)
         assert table.lookup("backward", m, n, BF16) == incumbent[32768], m
     kept = next(r for r in json.loads(out.read_text())["backward"]["bf16"][str(n)] if r["m"] == 32768)
     assert kept["gbps"] == runs[1]["gbps"] and kept["winner"] == asdict(incumbent[32768])
+    shipped = build.slim(json.loads(out.read_text()))["backward"]["bf16"][str(n)]
+    assert kept["kept"] == next(r for r in shipped if r["m"] == 32768)["kept"] == build.KEPT_BY_AB  # says why
     assert tune_table.main(args) == 0  # without it the sweep's winner lands at both
     assert tuning.load(json.loads(out.read_text())).lookup("backward", 32768, n, BF16) == challenger
     # a bucket the sweep did not time, not a number, a width it lacks; a bucket of a width or dtype left out whole

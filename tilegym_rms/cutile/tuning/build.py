@@ -402,6 +402,11 @@ def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dic
     return {**run, "winner": incumbent}
 
 
+# What a run's "kept" says where the overlay kept the base's winner over the sweep's (keep_base): the run's GB/s show
+# the sweep's winner ahead, and this is why it does not launch.
+KEPT_BY_AB = "the table before: an A/B rejected the sweep's winner at this bucket"
+
+
 def overlay(base: dict, sweep: dict, min_gain: float = 0.01, keep_base: Iterable[tuple] = ()) -> dict:
     """A sparse sweep (a few M buckets) laid over ``base`` (the analytic table, or a shipped table whose other entries
     must stay), M bucket by M bucket: a measured winner stands for the buckets above its own while the base's choice
@@ -424,7 +429,7 @@ def overlay(base: dict, sweep: dict, min_gain: float = 0.01, keep_base: Iterable
             for key, measured_runs in by_n.items():
                 ref_runs = _reference_runs(out, base, op, dt, key)
                 measured_runs = [
-                    {**r, "winner": _winner_at(ref_runs, r["m"])}
+                    {**r, "winner": _winner_at(ref_runs, r["m"]), "kept": KEPT_BY_AB}
                     if (op, dt, key, r["m"]) in keep_base
                     else _incumbent_kept(op, r, _winner_at(ref_runs, r["m"]), min_gain)
                     for r in measured_runs
@@ -514,7 +519,8 @@ def _timed_labels(op: str, winner: dict) -> set[str]:
 
 def slim(doc: dict) -> dict:
     """The table to ship from one a sweep wrote: each run's ``m`` and ``winner``, and of a measured run's
-    ``gbps`` only the winner's own (with ``timed``, what those GB/s are of), so that the run still reads as
+    ``gbps`` only the winner's own (with ``timed``, what those GB/s are of, and ``kept``, why a slower winner
+    stands), so that the run still reads as
     measured (the compile check builds measured winners). The other candidates' timings, the evidence of
     each choice, stay in the sweep's table. Every lookup gives what ``doc``'s gives."""
     out = {k: v for k, v in doc.items() if k not in OPS}
@@ -530,7 +536,7 @@ def slim(doc: dict) -> dict:
                     if "gbps" in run:
                         labels = _timed_labels(op, run["winner"])
                         short["gbps"] = {k: v for k, v in run["gbps"].items() if k in labels}
-                        short.update({k: run[k] for k in ("timed",) if k in run})
+                        short.update({k: run[k] for k in ("timed", "kept") if k in run})
                     kept.append(short)
                 set_runs(out, op, dt, int(key), kept)
     return out
