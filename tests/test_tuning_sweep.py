@@ -745,6 +745,29 @@ def test_overlay_keeps_each_qk_half_unless_the_sweep_beats_it_by_min_gain(fwd_ga
         assert build.qk_half_label(got, side) == build.qk_half_label(want, side), side
 
 
+def test_overlay_of_one_qk_half_keeps_the_bases_timings_of_the_other():
+    """A --qk-half fwd sweep's run replaces the base's run at its bucket whole: the backward half's timings the
+    base held there stay in the run (the evidence of the backward half it still launches) and in the slim table,
+    the forward half's are the sweep's."""
+    d, m = 128, 1048576
+    base = tuning.packaged("sm90_132sm").doc
+    base_run = next(r for r in base["qk"]["bf16"][str(d)] if r["m"] == m)
+    incumbent = tuning.parse_winner("qk", base_run["winner"], "incumbent")
+    bwd_label = build.qk_half_label(incumbent, "bwd")
+    assert bwd_label in base_run["gbps"]
+    challenger = replace(incumbent, fwd_tile_m=incumbent.fwd_tile_m * 2)
+    assert tuning.candidate_error("qk", challenger, d) is None
+    fwd = {build.qk_half_label(incumbent, "fwd"): 2000.0, build.qk_half_label(challenger, "fwd"): 2400.0}
+    sweep = build.new_doc("sm90_132sm", base["device"]["name"], (9, 0), SMS, "measured", "sweep")
+    build.set_runs(sweep, "qk", "bf16", d, [{"m": m, "winner": asdict(challenger), "gbps": fwd}])
+    out = build.overlay(base, sweep, 0.02)
+    run = next(r for r in out["qk"]["bf16"][str(d)] if r["m"] == m)
+    assert tuning.parse_winner("qk", run["winner"], "winner") == challenger
+    assert run["gbps"] == {**fwd, bwd_label: base_run["gbps"][bwd_label]}
+    shipped = next(r for r in build.slim(out)["qk"]["bf16"][str(d)] if r["m"] == m)
+    assert shipped["gbps"] == {build.qk_half_label(challenger, "fwd"): 2400.0, bwd_label: base_run["gbps"][bwd_label]}
+
+
 def test_span_rows_lie_inside_the_bucket():
     """The second point of a bucket's span takes the bucket's winner: more than half the point's rows, fewer
     than the point's (5/8 of them); buckets of fewer than 8 rows have none."""

@@ -407,6 +407,18 @@ def _incumbent_kept(op: str, run: dict, incumbent: dict, min_gain: float) -> dic
 KEPT_BY_AB = "the table before: an A/B rejected the sweep's winner at this bucket"
 
 
+def _with_the_bases_other_half(run: dict, base_runs: list[dict]) -> dict:
+    """A qk ``run`` that timed one half (``tune_table --qk-half``) with the timings of the other half that the
+    base's run at its bucket holds: the run replaces the base's whole, and its winner's other half is the launch
+    the base chose there from those timings (the table the sweep ran on), which stay its evidence."""
+    base_run = next((r for r in base_runs if r["m"] == run["m"] and "gbps" in r), None)
+    if base_run is None or "gbps" not in run:
+        return run
+    timed_halves = {label.split(" ", 1)[0] for label in run["gbps"]}
+    other = {k: v for k, v in base_run["gbps"].items() if k.split(" ", 1)[0] not in timed_halves}
+    return {**run, "gbps": {**other, **run["gbps"]}} if other else run
+
+
 def overlay(base: dict, sweep: dict, min_gain: float = 0.01, keep_base: Iterable[tuple] = ()) -> dict:
     """A sparse sweep (a few M buckets) laid over ``base`` (the analytic table, or a shipped table whose other entries
     must stay), M bucket by M bucket: a measured winner stands for the buckets above its own while the base's choice
@@ -434,8 +446,10 @@ def overlay(base: dict, sweep: dict, min_gain: float = 0.01, keep_base: Iterable
                     else _incumbent_kept(op, r, _winner_at(ref_runs, r["m"]), min_gain)
                     for r in measured_runs
                 ]
-                points = {r["m"]: r for r in measured_runs}
                 own = out.get(op, {}).get(dt, {}).get(key) or []  # not a fallback's: measured for another op
+                if op == "qk":
+                    measured_runs = [_with_the_bases_other_half(r, own) for r in measured_runs]
+                points = {r["m"]: r for r in measured_runs}
                 base_points = {r["m"]: r for r in own if "gbps" in r and r["m"] not in points}
                 runs: list[dict] = []
                 for m_b in M_BUCKETS:
