@@ -66,11 +66,16 @@ def _tilegym_rms_availability(names, device, tilegym_rms, tilegym_rms_error):
         return {}, None, f"available_backends failed: {base.short_error(exc)}"
 
 
+def _unimportable(tilegym_rms_error: str) -> str:
+    """The skip reason of every provider that needs the package when it does not import."""
+    return f"tilegym_rms not importable ({tilegym_rms_error})"
+
+
 def _backend_unavailable(backend: str, avail: dict, tilegym_rms, tilegym_rms_error: str) -> str | None:
     """Why our backend ``backend`` (of a ``tilegym_rms-<backend>`` provider) cannot run here; None when it can.
     ``avail``, ``tilegym_rms`` and ``tilegym_rms_error`` as :func:`_tilegym_rms_availability` returns them."""
     if tilegym_rms is None:
-        return f"tilegym_rms not importable ({tilegym_rms_error})"
+        return _unimportable(tilegym_rms_error)
     ok, why = avail.get(backend, (False, "not reported by available_backends"))
     return None if ok else (why or "not available")
 
@@ -145,7 +150,7 @@ def discover_fused_add_providers(
             if name.startswith("tilegym_rms-"):
                 backend = name.split("-", 1)[1]
                 if tilegym_rms is None:
-                    skipped[name] = f"tilegym_rms not importable ({tilegym_rms_error})"
+                    skipped[name] = _unimportable(tilegym_rms_error)
                     continue
                 if backend == "unfused":  # x + r, then the default backend's rms_norm
 
@@ -208,7 +213,7 @@ def discover_fp8_providers(
     for name in names:
         try:
             if tilegym_rms is None and (name.startswith("tilegym_rms-") or name in ("torch", "torch.compile")):
-                skipped[name] = f"tilegym_rms not importable ({tilegym_rms_error})"
+                skipped[name] = _unimportable(tilegym_rms_error)
             elif name == "tilegym_rms-unfused":  # what a caller writes without the fused op: the norm, then quantize
 
                 def unfused(x, r, w, mod=tilegym_rms, **quant):
@@ -272,7 +277,7 @@ def discover_qk_providers(
         backend = name.split("-", 1)[1]
         if backend == "unfused":  # the default backend's rms_norm on q, then on k: the plain kernels, twice
             if tilegym_rms is None:
-                skipped[name] = f"tilegym_rms not importable ({tilegym_rms_error})"
+                skipped[name] = _unimportable(tilegym_rms_error)
             else:
                 found.append(Provider(name, _on_q_and_k(_tilegym_rms_provider(name, tilegym_rms, None, eps))))
             continue
