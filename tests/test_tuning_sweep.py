@@ -874,3 +874,21 @@ def test_a_qk_sweep_of_one_half_times_it_alone_and_keeps_the_tables_other_half(t
     both = tune_table.estimate(["qk"], {"qk": [("bf16", n_b, m_b)]}, SMS)
     fwd_only = tune_table.estimate(["qk"], {"qk": [("bf16", n_b, m_b)]}, SMS, halves=("fwd",))
     assert fwd_only["timings"] == len({build.qk_half_label(c, "fwd") for c in cands}) < both["timings"]
+
+
+def test_a_sweep_over_the_shipped_table_ships_what_it_would_over_the_candidates():
+    """The shipped table keeps of each measured run only its winner's timings (build.slim), and an overlay needs no
+    more of its base: laying a committed sweep over the shipped table gives the table that laying it over the sweeps'
+    full table would ship, so a GPU run may take the shipped table as its --base (CONTRIBUTING, "Adding a kernel")."""
+    checked = 0
+    for key, path in sweep_evidence().items():
+        candidates = tuning.load(path).doc
+        for sweep_path in sorted(path.parent.glob("*.json")):
+            raw = json.loads(sweep_path.read_text())
+            if sweep_path == path or "schema" not in raw or raw["device"]["key"] != key:
+                continue  # the full table itself, another tool's sweep (tune_cutile), another card's
+            sweep = tuning.load(raw).doc
+            full = build.slim(build.overlay(candidates, sweep, 0.02))
+            assert build.slim(build.overlay(build.slim(candidates), sweep, 0.02)) == full, sweep_path.name
+            checked += 1
+    assert checked >= 10
