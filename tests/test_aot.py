@@ -310,3 +310,19 @@ def test_the_fp8_kernel_is_compiled_only_for_archs_with_fp8_types():
     for arch in aot.ARCHS:
         has_fp8 = any(v.kernel_name == aot.FP8_KERNEL for v in aot.variants(arch))
         assert has_fp8 == (arch != "sm_80"), arch
+
+
+def test_the_compile_check_builds_the_fp8_and_gated_launches_a_tables_settings_give(monkeypatch):
+    """A shipped table's ``heuristics`` change its card's FP8 and gated tiles: the compile check builds those
+    variants beside the reference target's."""
+    from tilegym_rms.cutile import tuning
+
+    before_fp8, before_gated = set(aot.fp8_variants()), set(aot.gated_variants())
+    h200 = tuning.packaged("sm90_132sm.nvidia-h200")
+    tuned = tuning.Table({**h200.doc, "heuristics": {"fp8_tile_elems": 8192, "gated_bwd_tile_elems": 4096}})
+    packaged = tuning.packaged
+    monkeypatch.setattr(tuning, "packaged", lambda key: tuned if key == h200.key else packaged(key))
+    fp8, gated = set(aot.fp8_variants()), set(aot.gated_variants())
+    assert before_fp8 < fp8 and before_gated < gated
+    # the FP8 tiles of 8192 elements: 2 rows of 4096 columns, where the reference target's hold 4
+    assert {v.constants()["TILE_M"] for v in fp8 - before_fp8 if v.constants()["TILE_N"] == 4096} == {2}

@@ -505,3 +505,44 @@ def test_split_forward_builds_with_the_compilers_warps(chunk):
         gather = config.forward_candidate(8, chunk, BF16, SMS, "gather")  # a row of one chunk
     assert (split.tile_n, split.occupancy, split.num_worker_warps) == (chunk, gather.occupancy, 0)
     assert "num_worker_warps must be 0" in candidate_error("forward", replace(split, num_worker_warps=8), 5 * chunk)
+
+
+def _table_with_settings(**settings):
+    """The shipped H100 table with ``settings`` as its ``heuristics``."""
+    from tilegym_rms.cutile import tuning
+
+    return tuning.Table({**tuning.packaged("sm90_132sm").doc, "heuristics": settings})
+
+
+def test_a_tables_settings_set_its_cards_fp8_and_gated_launches(host):
+    """A table's ``heuristics`` change the FP8 and gated launches on its card, and only there: the FP8 tile and
+    blocks per SM, the gated backward's blocks per SM; the same call on a target without them is unchanged."""
+    from tilegym_rms.cutile.host import fp8 as fp8_host
+    from tilegym_rms.cutile.host.forward import ADD_NONE
+
+    table = _table_with_settings(fp8_tile_elems=8192, fp8_blocks_per_sm=4, gated_bwd_blocks_per_sm=4)
+    tuned, plain = host.common.Target(SMS, table), host.common.Target(SMS)
+    m, n = 32768, 4096
+
+    def fp8_launch(tgt):
+        return fp8_host.fp8_launch(tgt, m, n, BF16, "llama", True, ADD_NONE, fp8_host.QUANT_TOKEN, None, False, False)
+
+    base, changed = fp8_launch(plain), fp8_launch(tuned)
+    tile_m = {launch: launch.constants[0] for launch in (base, changed)}
+    assert (tile_m[base], tile_m[changed]) == (4, 2)  # 16384 and 8192 elements of 4096-column rows
+    assert (base.grid, changed.grid) == ((2 * SMS,), (4 * SMS,))
+    grid = [host.gated.backward_launches(t, m, n, 512, BF16, BF16, True, True).main.grid for t in (plain, tuned)]
+    assert grid[1][0] == 2 * grid[0][0]
+
+
+def test_an_override_wins_over_a_tables_settings(host):
+    """config.override (a sweep's --set) sets what the launch gets even where the device's table names it too."""
+    from tilegym_rms.cutile.host import fp8 as fp8_host
+    from tilegym_rms.cutile.host.forward import ADD_NONE
+
+    tuned = host.common.Target(SMS, _table_with_settings(fp8_tile_elems=8192, fp8_blocks_per_sm=4))
+    with config.override(fp8_tile_elems=16384):
+        launch = fp8_host.fp8_launch(tuned, 32768, 4096, BF16, "llama", True, ADD_NONE, fp8_host.QUANT_TOKEN, None,
+                                     False, False)  # fmt: skip
+    assert launch.constants[0] == 4 and launch.grid == (4 * SMS,)  # the override's tile, the table's blocks
+    assert tuned.params().fp8_tile_elems == 8192  # outside the override the table's again

@@ -687,3 +687,32 @@ def test_an_invalid_qk_entry_says_what_is_wrong(change, message):
     del missing["qk"]["bf16"]["64"][0]["winner"]["bwd_occupancy"]
     with pytest.raises(tuning.TuningTableError, match="a qk winner has exactly the fields"):
         tuning.Table(missing)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"fwd_tile_elems": 8192}, "'fwd_tile_elems' is not a setting a table may set"),
+        ({"fp8_no_such_setting": 1}, "'fp8_no_such_setting' is not a setting a table may set"),
+        ({"fp8_tile_elems": 8192.0}, "heuristics/fp8_tile_elems: a int like its default"),
+        ({"fp8_add_gather": 1}, "heuristics/fp8_add_gather: a bool like its default"),
+        ({"gated_occupancy": True}, "heuristics/gated_occupancy: a int like its default"),
+        ([("fp8_tile_elems", 8192)], "'heuristics' maps settings of config.Heuristics to values"),
+    ],
+)
+def test_a_tables_settings_are_checked_on_load(settings, message):
+    """A table's ``heuristics`` name FP8 and gated settings of config.Heuristics, each with its default's type; a
+    table naming anything else does not load, and says which setting is wrong."""
+    doc = {**shipped()["sm90_132sm"], "heuristics": settings}
+    with pytest.raises(tuning.TuningTableError, match=message):
+        tuning.Table(doc)
+
+
+def test_a_tables_settings_survive_slim_and_write(tmp_path):
+    """The writer keeps a table's settings: the shipped form of a sweep's table and the file it writes."""
+    from tilegym_rms.cutile.tuning import build
+
+    doc = {**shipped()["sm90_132sm"], "heuristics": {"fp8_tile_elems": 8192, "gated_worker_warps": 0}}
+    path = tmp_path / "table.json"
+    build.write(build.slim(doc), path)
+    assert tuning.load(path).heuristics == {"fp8_tile_elems": 8192, "gated_worker_warps": 0}

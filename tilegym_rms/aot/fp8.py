@@ -9,7 +9,7 @@ from ..cutile.host import forward as fwd
 from ..cutile.host import fp8 as fp8_host
 from ..cutile.host.common import Target
 from ..reference import CASTING_MODES, DEFAULT_CASTING_MODE
-from .variant import DTYPES, REFERENCE_SMS, REPRESENTATIVE_M, Variant, collector, meta
+from .variant import DTYPES, REFERENCE_SMS, REPRESENTATIVE_M, Variant, collector, meta, setting_targets
 
 FP8_KERNEL = "rms_norm_fp8_fwd"
 
@@ -32,12 +32,12 @@ FP8_WIDTH_MODES = ((False, None), (False, 128))
 
 
 def fp8_variants_for(m: int, n: int, dtype, every_path: bool, num_sms: int = REFERENCE_SMS,
-                     invariant: bool = False) -> list[Variant]:  # fmt: skip
+                     invariant: bool = False, table=None) -> list[Variant]:  # fmt: skip
     """The FP8 kernel's variants for ``(m, n)`` of ``dtype``: the :data:`FP8_WIDTH_MODES` with a weight, the
     default casting, no add, e4m3; with ``every_path`` every mode, each also with the fused add and with e5m2,
     the dynamic ones with ``use_ue8m0``, and per row an fp32 residual, ``scale_ub``, no weight and every casting
     mode."""
-    target = Target(num_sms, None, invariant)
+    target = Target(num_sms, table, invariant)
     found, record = collector()
     x, w, one = meta(dtype, m, n), meta(dtype, n), meta(torch.float32, 1)
     # (static, group, residual dtype or None, out dtype, has_ub, ue8m0, casting mode, has_w)
@@ -63,13 +63,15 @@ def fp8_variants_for(m: int, n: int, dtype, every_path: bool, num_sms: int = REF
 def fp8_variants() -> list[Variant]:
     """The distinct FP8 variants over :data:`FP8_N`, the dtypes (bf16 at every width, every switch at
     :data:`FP8_FULL_N`; the others there, in the default call), decode and prefill row counts (one row and several
-    per tile), in the default and the batch-invariant mode."""
+    per tile), in the default and the batch-invariant mode, on the reference target and with each shipped table's
+    settings (:func:`.variant.setting_targets`)."""
     found: dict[Variant, None] = {}
-    for invariant in (False, True):
-        for dtype in DTYPES:
-            for n in FP8_N if dtype == torch.bfloat16 else (FP8_FULL_N,):
-                for m in REPRESENTATIVE_M:
-                    every_path = dtype == torch.bfloat16 and n == FP8_FULL_N and not invariant
-                    more = fp8_variants_for(m, n, dtype, every_path, invariant=invariant)
-                    found.update(dict.fromkeys(more))
+    for sms, table in setting_targets():
+        for invariant in (False, True):
+            for dtype in DTYPES:
+                for n in FP8_N if dtype == torch.bfloat16 else (FP8_FULL_N,):
+                    for m in REPRESENTATIVE_M:
+                        every_path = dtype == torch.bfloat16 and n == FP8_FULL_N and not invariant
+                        more = fp8_variants_for(m, n, dtype, every_path, sms, invariant, table)
+                        found.update(dict.fromkeys(more))
     return list(found)

@@ -8,7 +8,7 @@ from ..cutile import config
 from ..cutile.host import gated as gated_host
 from ..cutile.host.common import Target
 from ..reference import CASTING_MODES, DEFAULT_CASTING_MODE
-from .variant import REFERENCE_SMS, REPRESENTATIVE_M, Variant, collector, meta
+from .variant import REFERENCE_SMS, REPRESENTATIVE_M, Variant, collector, meta, setting_targets
 
 # (N, group size) that reach each tile class: one head-dim group (Qwen3-Next), a row as one group padded to
 # a wide tile, three groups in a tile of four, many groups of a size that is not a power of two, and a wide row
@@ -21,13 +21,13 @@ GATED_MORE_DTYPES = ((torch.bfloat16, torch.float32), (torch.float16, torch.floa
 
 def gated_variants_for(
     m: int, n: int, group_size: int, dtype, gate_dtype, num_sms: int = REFERENCE_SMS, every_path: bool = True,
-    invariant: bool = False, activation: str = "silu",
+    invariant: bool = False, activation: str = "silu", table=None,
 ) -> list[Variant]:  # fmt: skip
     """The gated kernel variants for ``(m, n)`` rows in groups of ``group_size`` gated by ``activation``: forward,
     backward and the dw reduction, for both orders of norm and gate; with ``every_path``, every casting mode, the
     no-weight and the no-rstd variants too (a training call's: the default casting, a weight of x's dtype, rstd
     stored)."""
-    target = Target(num_sms, None, invariant)
+    target = Target(num_sms, table, invariant)
     found, record = collector()
     x, z, w = meta(dtype, m, n), meta(gate_dtype, m, n), meta(dtype, n)
     first = (DEFAULT_CASTING_MODE, True, True)
@@ -51,23 +51,31 @@ def gated_variants_for(
 def gated_variants() -> list[Variant]:
     """The distinct gated variants over :data:`GATED_SHAPES` at both representative M (the casting, weight and
     rstd axes, the sigmoid gate and the other dtype pairs at :data:`GATED_FULL` and the large M only: they add no
-    tile shape), and a training call's in the batch-invariant mode."""
+    tile shape), and a training call's in the batch-invariant mode; on the reference target and with each shipped
+    table's settings (:func:`.variant.setting_targets`)."""
     found: dict[Variant, None] = {}
+    for sms, table in setting_targets():
+        found.update(dict.fromkeys(_gated_variants_on(sms, table)))
+    return list(found)
+
+
+def _gated_variants_on(sms: int, table) -> list[Variant]:
+    found: dict[Variant, None] = {}
+    bf16 = torch.bfloat16
     for n, group_size in GATED_SHAPES:
         for m in REPRESENTATIVE_M:
             full = (n, group_size) == GATED_FULL and m == REPRESENTATIVE_M[-1]
-            more = gated_variants_for(m, n, group_size, torch.bfloat16, torch.bfloat16, every_path=full)
+            more = gated_variants_for(m, n, group_size, bf16, bf16, sms, full, table=table)
             found.update(dict.fromkeys(more))
             for dtype, gate_dtype in GATED_MORE_DTYPES if full else ():
-                found.update(dict.fromkeys(gated_variants_for(m, n, group_size, dtype, gate_dtype, every_path=False)))
-            if full:  # the sigmoid gate on every path; its arithmetic differs from silu's, its tiles do not
-                more = gated_variants_for(m, n, group_size, torch.bfloat16, torch.bfloat16, activation="sigmoid")
+                more = gated_variants_for(m, n, group_size, dtype, gate_dtype, sms, False, table=table)
                 found.update(dict.fromkeys(more))
-        more = gated_variants_for(
-            REPRESENTATIVE_M[0], n, group_size, torch.bfloat16, torch.bfloat16, False, False, True
-        )
+            if full:  # the sigmoid gate on every path; its arithmetic differs from silu's, its tiles do not
+                more = gated_variants_for(m, n, group_size, bf16, bf16, sms, activation="sigmoid", table=table)
+                found.update(dict.fromkeys(more))
+        more = gated_variants_for(REPRESENTATIVE_M[0], n, group_size, bf16, bf16, sms, False, True, table=table)
         found.update(dict.fromkeys(more))
     with config.override(gated_narrow_fwd_walk=True):  # the one-head forward walked, the switch's other side
-        more = gated_variants_for(REPRESENTATIVE_M[-1], 128, 128, torch.bfloat16, torch.bfloat16, every_path=False)
+        more = gated_variants_for(REPRESENTATIVE_M[-1], 128, 128, bf16, bf16, sms, False, table=table)
         found.update(dict.fromkeys(more))
     return list(found)

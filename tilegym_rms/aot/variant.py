@@ -15,6 +15,16 @@ REPRESENTATIVE_M = (128, 65536)
 REFERENCE_SMS = 132
 
 
+def setting_targets() -> list[tuple[int, object]]:
+    """``(SM count, table)`` of the reference target (no table) and of each shipped table that sets analytic
+    settings (``heuristics``, :mod:`tilegym_rms.cutile.tuning`): the FP8 and gated launches on those cards differ,
+    and the compile check builds them too."""
+    from ..cutile import tuning
+
+    tables = [tuning.packaged(key) for key in tuning.packaged_keys()]
+    return [(REFERENCE_SMS, None)] + [(t.doc["device"]["sms"], t) for t in tables if t.heuristics]
+
+
 @dataclass(frozen=True)
 class Variant:
     kernel_name: str

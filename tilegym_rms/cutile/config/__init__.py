@@ -20,7 +20,7 @@ from __future__ import annotations
 from ..._tiling import cdiv, next_pow2, prev_pow2
 from .fp8 import FP8_MAX_TILE_N, FP8Config, fp8_config
 from .gated import GatedConfig, GatedLaunch, gated_config
-from .heuristics import Heuristics, Hints, current, m_bucket, make_hints, override
+from .heuristics import Heuristics, Hints, current, for_device, m_bucket, make_hints, override
 from .qk import QKCandidate, QKConfig, QKTiles, qk_candidate, qk_config, qk_head_tiles, qk_tile_split
 from .rows import (
     BACKWARD_STRATEGIES,
@@ -54,6 +54,7 @@ __all__ = [
     "Heuristics",
     "Hints",
     "current",
+    "for_device",
     "m_bucket",
     "make_hints",
     "override",

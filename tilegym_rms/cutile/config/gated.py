@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..._tiling import cdiv, next_pow2, prev_pow2
-from .heuristics import Hints, current, m_bucket, make_hints
+from .heuristics import Heuristics, Hints, current, m_bucket, make_hints
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,15 @@ def gated_config(
     invariant: bool = False,
     gate_dtype: torch.dtype | None = None,
     norm_before_gate: bool = True,
+    params: Heuristics | None = None,
 ) -> GatedConfig | None:
     """Tiles, grids and hints of the gated kernels for ``m`` rows of ``n`` columns of ``dtype`` in groups of
     ``group_size``, gated by a ``gate_dtype`` tensor (None: ``dtype``) before or after the norm
     (``norm_before_gate``: it picks the backward's settings of narrow rows), tiles from M's bucket, grids from M; or
     None for a group wider than ``gated_max_tile_s`` (the host then runs the torch math). In the batch-invariant
-    mode a tile is one row and the forward gives each row tile a block of its own, whatever M."""
-    p = current()
+    mode a tile is one row and the forward gives each row tile a block of its own, whatever M. ``params``: the
+    settings (default :func:`.heuristics.current`)."""
+    p = params or current()
     gate_bytes = (gate_dtype or dtype).itemsize
     tile_s = next_pow2(group_size)
     if tile_s > p.gated_max_tile_s:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from ..._tiling import next_pow2
@@ -257,6 +258,7 @@ class Heuristics:
 
 
 _current = Heuristics()
+_overridden: frozenset[str] = frozenset()  # the names an enclosing override() set
 
 
 def current() -> Heuristics:
@@ -267,14 +269,23 @@ def current() -> Heuristics:
 @contextlib.contextmanager
 def override(**changes):
     """Runs the analytic heuristics with some parameters changed (``bench/tools/tune_cutile.py --set``,
-    ``bench/tools/sanitize.py``); the caller clears the host caches (``tilegym_rms.cutile.clear_caches``)."""
-    global _current
-    saved = _current
-    _current = replace(saved, **changes)
+    ``bench/tools/sanitize.py``); the caller clears the host caches (``tilegym_rms.cutile.clear_caches``). What it
+    sets also wins over a device's table (:func:`for_device`): a sweep times the settings it names."""
+    global _current, _overridden
+    saved = _current, _overridden
+    _current = replace(saved[0], **changes)
+    _overridden = saved[1] | frozenset(changes)
     try:
         yield _current
     finally:
-        _current = saved
+        _current, _overridden = saved
+
+
+def for_device(changes: Mapping[str, object]) -> Heuristics:
+    """The parameters in force on a device whose tuning table sets ``changes`` (its ``heuristics``, measured on
+    that card): those over :func:`current`, except the names an enclosing :func:`override` set."""
+    mine = {name: value for name, value in changes.items() if name not in _overridden}
+    return replace(_current, **mine) if mine else _current
 
 
 # Compiler hints of one kernel launch, as sorted ``(name, value)`` pairs (hashable: a cache key).

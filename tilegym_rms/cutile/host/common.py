@@ -30,6 +30,11 @@ class Target:
     table: tuning.Table | None = None
     invariant: bool = False
 
+    def params(self) -> config.Heuristics:
+        """The analytic settings on this target: those in force, with its table's ``heuristics`` over them (the
+        launch settings of the kernels a table has no entries for, measured on that card; :mod:`.tuning`)."""
+        return config.for_device(self.table.heuristics) if self.table is not None else config.current()
+
 
 def target(device_index: int, invariant: bool = False) -> Target:
     """The target of a CUDA device: its SM count and the table the host uses there (:func:`.tuning.table_for`),

@@ -29,7 +29,7 @@ def fp8_launch(tgt: Target, m, n, dtype, casting_mode, has_w, add, quant, group_
     elements, the same for every dtype."""
     del dtype
     grouped = group_size if quant == QUANT_GROUP else None
-    cfg = config.fp8_config(m, n, grouped, tgt.sms, tgt.invariant, add=add != ADD_NONE)
+    cfg = config.fp8_config(m, n, grouped, tgt.sms, tgt.invariant, tgt.params(), add=add != ADD_NONE)
     group = grouped or 1  # the constant of the other modes, never read
     walk = cfg.grid < config.cdiv(m, cfg.tile_m)  # else each block owns exactly one tile
     constants = (cfg.tile_m, cfg.tile_n, CASTING_CODES[casting_mode], has_w, add, quant, group, has_ub, ue8m0, walk)

@@ -21,7 +21,9 @@ from .common import Launch, Target, make_launch, plain, target
 
 def config_for(tgt: Target, m: int, n: int, group_size: int, dtype: torch.dtype, gate_dtype: torch.dtype | None = None,
                norm_before_gate: bool = True) -> config.GatedConfig | None:  # fmt: skip
-    return config.gated_config(m, n, group_size, dtype, tgt.sms, tgt.invariant, gate_dtype, norm_before_gate)
+    return config.gated_config(
+        m, n, group_size, dtype, tgt.sms, tgt.invariant, gate_dtype, norm_before_gate, tgt.params()
+    )
 
 
 def forward_launch(tgt: Target, m, n, group_size, dtype, casting_mode, has_w, norm_before_gate, store_rstd,

@@ -54,6 +54,13 @@ rows of q and k together; a winner has the fields of :class:`..config.QKCandidat
 run's ``gbps`` keyed by each half's label (``"fwd 32r b8 o2"``, ``"bwd ..."``: the sweep times the forward
 and the backward apart). Optional too: absent, the heuristics (``config.qk_config``).
 
+Settings. ``heuristics`` (optional): ``{"fp8_tile_elems": 8192, ...}``, settings of :class:`..config.Heuristics`
+this card runs with where the table has no entries to choose by: the FP8 output's (``fp8_*``) and the gated
+norm's (``gated_*``) launches, whose settings are analytic rules rather than per-bucket winners. A sweep on the
+card chooses them (``bench/tools/tune_cutile.py --set``), and they ship here rather than as new defaults where
+another card of the family cannot be re-measured. Each name must be such a setting and each value of its
+default's type; :func:`..config.override` still wins over them (a sweep times what it names).
+
 Choosing the table: ``TILEGYM_RMS_TUNING`` (read once, at the first launch) is a path to a table used on
 every device, or ``off`` for the analytic heuristics everywhere; unset, the device's packaged table. In
 Python, :func:`use_table` does the same at any time (and clears the host caches), as a setter or as a
@@ -254,9 +261,14 @@ def upgraded(doc):
     return out
 
 
+# The settings a table's ``heuristics`` may set: those of the ops without table entries (see the module doc).
+HEURISTICS_PREFIXES = ("fp8_", "gated_")
+
+
 class Table:
-    """A validated tuning table: ``lookup`` gives the winner for an ``(m, n, dtype)`` or None. ``doc`` is the
-    document in the current schema (:func:`upgraded`)."""
+    """A validated tuning table: ``lookup`` gives the winner for an ``(m, n, dtype)`` or None; ``heuristics`` the
+    settings it sets for the ops without entries (see the module doc). ``doc`` is the document in the current
+    schema (:func:`upgraded`)."""
 
     def __init__(self, doc: dict, origin: str = "<dict>"):
         self.doc = upgraded(doc)
@@ -267,6 +279,21 @@ class Table:
     def _fail(self, msg: str):
         raise TuningTableError(f"tuning table {self.origin}: {msg}")
 
+    def _parse_heuristics(self, raw) -> dict:
+        if not isinstance(raw, dict):
+            self._fail(f"'heuristics' maps settings of config.Heuristics to values, got {raw!r}")
+        defaults = config.Heuristics()
+        for name, value in raw.items():
+            if not name.startswith(HEURISTICS_PREFIXES) or not hasattr(defaults, name):
+                self._fail(
+                    f"heuristics: {name!r} is not a setting a table may set (the settings of config.Heuristics "
+                    f"that start with {' or '.join(HEURISTICS_PREFIXES)}: the other ops take the table's entries)"
+                )
+            want = type(getattr(defaults, name))
+            if type(value) is not want:
+                self._fail(f"heuristics/{name}: a {want.__name__} like its default, got {value!r}")
+        return dict(raw)
+
     def _parse(self):
         doc = self.doc
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
@@ -275,6 +302,7 @@ class Table:
         device = doc.get("device")
         if not isinstance(device, dict) or not isinstance(device.get("key"), str):
             self._fail("'device' must be an object with a 'key' string")
+        self.heuristics = self._parse_heuristics(doc.get("heuristics", {}))
         for op in OPS:
             by_dtype = doc.get(op, {})
             if not isinstance(by_dtype, dict) or not set(by_dtype) <= set(DTYPES):
