@@ -528,8 +528,7 @@ def test_a_tables_settings_set_its_cards_fp8_and_gated_launches(host):
         return fp8_host.fp8_launch(tgt, m, n, BF16, "llama", True, ADD_NONE, fp8_host.QUANT_TOKEN, None, False, False)
 
     base, changed = fp8_launch(plain), fp8_launch(tuned)
-    tile_m = {launch: launch.constants[0] for launch in (base, changed)}
-    assert (tile_m[base], tile_m[changed]) == (4, 2)  # 16384 and 8192 elements of 4096-column rows
+    assert (base.constants[0], changed.constants[0]) == (4, 2)  # TILE_M: 16384, 8192 elements of 4096-column rows
     assert (base.grid, changed.grid) == ((2 * SMS,), (4 * SMS,))
     grid = [host.gated.backward_launches(t, m, n, 512, BF16, BF16, True, True).main.grid for t in (plain, tuned)]
     assert grid[1][0] == 2 * grid[0][0]

@@ -60,6 +60,7 @@ def gated_variants() -> list[Variant]:
 
 
 def _gated_variants_on(sms: int, table) -> list[Variant]:
+    """:func:`gated_variants` on one target: ``sms`` SMs and ``table``'s settings (None: the reference's)."""
     found: dict[Variant, None] = {}
     bf16 = torch.bfloat16
     for n, group_size in GATED_SHAPES:
