@@ -167,8 +167,15 @@ def test_fp8_variants_cover_every_quantization_mode_and_switch():
         assert {c[switch] for c in consts} == {True, False}, switch
     assert {c["ADD"] for c in consts} == {0, 1}
     assert {c["CAST"] for c in consts} == set(CASTING_CODES.values())
-    out_dtypes = {v.params[2][1] for v in vs}  # y_q
-    assert out_dtypes == {torch.float8_e4m3fn, torch.float8_e5m2}
+    # y_q: value by value (an fp8 array) in the modes that store so and where a row is not whole int64 words, else
+    # its int64 view holding either fp8 format's codes
+    stores = {(c["WORDS"], v.params[2][1]) for c, v in zip(consts, vs, strict=True)}
+    assert stores == {
+        (fp8.WORDS_NONE, torch.float8_e4m3fn),
+        (fp8.WORDS_NONE, torch.float8_e5m2),
+        (fp8.WORDS_E4M3, torch.int64),
+        (fp8.WORDS_E5M2, torch.int64),
+    }
     assert set(vs) <= set(aot.variants())
 
 

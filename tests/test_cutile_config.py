@@ -525,7 +525,8 @@ def test_a_tables_settings_set_its_cards_fp8_and_gated_launches(host):
     m, n = 32768, 4096
 
     def fp8_launch(tgt):
-        return fp8_host.fp8_launch(tgt, m, n, BF16, "llama", True, ADD_NONE, fp8_host.QUANT_TOKEN, None, False, False)
+        return fp8_host.fp8_launch(tgt, m, n, BF16, "llama", True, ADD_NONE, fp8_host.QUANT_TOKEN, None, False, False,
+                                   torch.float8_e4m3fn)  # fmt: skip
 
     base, changed = fp8_launch(plain), fp8_launch(tuned)
     assert (base.constants[0], changed.constants[0]) == (4, 2)  # TILE_M: 16384, 8192 elements of 4096-column rows
@@ -542,6 +543,13 @@ def test_an_override_wins_over_a_tables_settings(host):
     tuned = host.common.Target(SMS, _table_with_settings(fp8_tile_elems=8192, fp8_blocks_per_sm=4))
     with config.override(fp8_tile_elems=16384):
         launch = fp8_host.fp8_launch(tuned, 32768, 4096, BF16, "llama", True, ADD_NONE, fp8_host.QUANT_TOKEN, None,
-                                     False, False)  # fmt: skip
+                                     False, False, torch.float8_e4m3fn)  # fmt: skip
     assert launch.constants[0] == 4 and launch.grid == (4 * SMS,)  # the override's tile, the table's blocks
     assert tuned.params().fp8_tile_elems == 8192  # outside the override the table's again
+
+
+def test_fp8_word_stores_follow_the_mode():
+    """y_q as int64 words per group, value by value per row and static (the defaults, each a setting)."""
+    assert config.fp8_config(32768, 4096, 128, SMS).words and not config.fp8_config(32768, 4096, None, SMS).words
+    with config.override(fp8_group_word_stores=False, fp8_row_word_stores=True):
+        assert config.fp8_config(32768, 4096, None, SMS).words and not config.fp8_config(32768, 4096, 64, SMS).words

@@ -17,8 +17,9 @@ from tilegym_rms.testing import fp8_step_errors
 
 pytestmark = pytest.mark.gpu
 
-# Rows narrower than a group, a partial last group, the common widths, the widest fused row.
-N_GRID = (32, 1000, 4096, 5120, 16384)
+# Rows narrower than a group, a partial last group (1000: whole int64 words; 1001: not), the common
+# widths, the widest fused row.
+N_GRID = (32, 1000, 1001, 4096, 5120, 16384)
 # Decode sizes (a row per tile) and prefill sizes (several rows per tile, a partial last tile).
 M_GRID = (1, 7, 256, 2053)
 
@@ -63,13 +64,16 @@ def test_kernel_against_float64(mode, n, m):
     _check(x, w, y_q, scales, kw)
 
 
+@pytest.mark.parametrize("n", [5120, 5121], ids=["whole-words", "part-words"])
 @pytest.mark.parametrize("out_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_every_mode_dtype_and_fp8_dtype(dtype, mode, out_dtype):
+def test_every_mode_dtype_and_fp8_dtype(dtype, mode, out_dtype, n):
+    """Each fp8 format stored either way: as int64 words (the per-group modes on rows of whole words) and value by
+    value."""
     torch.manual_seed(3)
-    x = torch.randn(300, 5120, dtype=dtype, device="cuda") * 2
-    w = torch.randn(5120, dtype=dtype, device="cuda")
+    x = torch.randn(300, n, dtype=dtype, device="cuda") * 2
+    w = torch.randn(n, dtype=dtype, device="cuda")
     kw = _quant_kwargs(mode, x)
     with torch.no_grad():
         y_q, scales = tilegym_rms.rms_norm_fp8(x, w, EPS, out_dtype=out_dtype, **kw)

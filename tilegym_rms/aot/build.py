@@ -24,7 +24,7 @@ def signature(v: Variant, as_launched: bool = False):
 
     ct_dtype = {torch.float32: ct.float32, torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
                 torch.float8_e4m3fn: ct.float8_e4m3fn, torch.float8_e5m2: ct.float8_e5m2,
-                torch.int32: ct.int32}  # fmt: skip
+                torch.int32: ct.int32, torch.int64: ct.int64}  # fmt: skip
     params = []
     for p in v.params:
         if isinstance(p, tuple) and p[0] == "array":

@@ -20,9 +20,10 @@ def fp8_arch(arch: str) -> bool:
     return fp8_cc_supported((int(digits[:-1]), int(digits[-1])))
 
 
-# Widths that reach the kernel's tile classes: a row narrower than a group (the tile is the group), a
-# non-power-of-two row whose last group is partial, the common LLM widths, and the widest tile (FP8_MAX_N).
-FP8_N = (32, 1000, 4096, 5120, 16384)
+# Widths that reach the kernel's tile classes: a row narrower than a group (the tile is the group), a row that is
+# not whole int64 words (y_q stored value by value) whose last group is partial, the common LLM widths, and the
+# widest tile (FP8_MAX_N).
+FP8_N = (32, 1001, 4096, 5120, 16384)
 # The width at which every switch is compiled (the others take the default call of each quantization mode).
 FP8_FULL_N = 5120
 # (static, group_size) of each quantization mode: static, per row, per group of 64 and of 128. Every width gets
@@ -53,7 +54,8 @@ def fp8_variants_for(m: int, n: int, dtype, every_path: bool, num_sms: int = REF
     for static, group, residual_dtype, out_dtype, has_ub, ue8m0, casting_mode, has_w in calls:
         add = fwd.ADD_NONE if residual_dtype is None else fwd.ADD_MODES["pre"]
         quant = fp8_host.quant_mode(static, group)
-        launch = fp8_host.fp8_launch(target, m, n, dtype, casting_mode, has_w, add, quant, group, has_ub, ue8m0)
+        launch = fp8_host.fp8_launch(target, m, n, dtype, casting_mode, has_w, add, quant, group, has_ub, ue8m0,
+                                     out_dtype)  # fmt: skip
         residual = None if residual_dtype is None else meta(residual_dtype, m, n)
         fp8_host.start(launch, x, residual, w if has_w else None, one if static else None, one if has_ub else None,
                   out_dtype, group, 0.0, 0.0, -1, record)  # fmt: skip

@@ -20,6 +20,7 @@ class FP8Config:
     tile_n: int  # >= N and >= the group size: a row is one tile
     grid: int  # blocks; each walks row tiles bid, bid + grid, ... (exactly one where grid = row tiles)
     hints: Hints = ()
+    words: bool = False  # y_q stored as int64 words of 8 values (where a row is whole words)
 
 
 def fp8_config(
@@ -37,15 +38,17 @@ def fp8_config(
     block left the loads' latency unhidden), with the ``fp8_*`` settings from ``fp8_min_row`` padded columns on
     and the persistent forward's below (PERFORMANCE.md, "FP8 output"). In the batch-invariant mode one row per
     block at every M: a row's place in a tile of several could change how the compiler reduces it
-    (PERFORMANCE.md, "Batch invariance")."""
+    (PERFORMANCE.md, "Batch invariance"). ``words``: ``fp8_group_word_stores`` or ``fp8_row_word_stores`` by the
+    mode."""
     p = params or current()
     tile_n = max(next_pow2(n), group_size or 1)
     if tile_n > FP8_MAX_TILE_N:
         raise ValueError(f"the FP8 kernel takes rows of at most {FP8_MAX_TILE_N} elements, got N={n}")
+    words = p.fp8_group_word_stores if group_size else p.fp8_row_word_stores
     gather_add = add and p.fp8_add_gather and tile_n >= p.fp8_min_row
     if invariant or gather_add or m_bucket(m) <= p.gather_max_rows_per_sm * num_sms:
         occupancy, warps = gather_hints(tile_n, True, p)
-        return FP8Config(1, tile_n, m, make_hints(occupancy=occupancy, num_worker_warps=warps))
+        return FP8Config(1, tile_n, m, make_hints(occupancy=occupancy, num_worker_warps=warps), words)
     if tile_n >= p.fp8_min_row:
         warps = p.fp8_worker_warps if tile_n >= p.fp8_worker_warps_min_row else 0
         blocks_per_sm, occupancy = p.fp8_blocks_per_sm, p.fp8_occupancy
@@ -54,4 +57,4 @@ def fp8_config(
         blocks_per_sm, occupancy, warps = persistent_class(tile_n, "fwd", p)
         tile_m = tile_rows(tile_n, p.fwd_tile_elems, p)
     grid = min(cdiv(m, tile_m), blocks_per_sm * num_sms)
-    return FP8Config(tile_m, tile_n, grid, make_hints(occupancy=occupancy, num_worker_warps=warps))
+    return FP8Config(tile_m, tile_n, grid, make_hints(occupancy=occupancy, num_worker_warps=warps), words)

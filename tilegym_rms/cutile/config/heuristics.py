@@ -247,7 +247,10 @@ class Heuristics:
     # 8192 columns (PERFORMANCE.md, "FP8 output"): tiles of fp8_tile_elems elements at occupancy 2, eight worker
     # warps from fp8_worker_warps_min_row padded columns (the compiler's choice below), fp8_blocks_per_sm blocks
     # per SM; with fp8_add_gather the fused add takes one row per block at every M, as the decode sizes do;
-    # narrower rows take the persistent forward's settings.
+    # narrower rows take the persistent forward's settings. y_q is stored as int64 words of 8 values in the
+    # per-group mode with fp8_group_word_stores and in the static and per-row modes with fp8_row_word_stores
+    # (where a row is whole words): timed on an H200, words won 9-10% per group and were level or lost up to 2%
+    # in the other modes.
     fp8_min_row: int = 2048
     fp8_tile_elems: int = 16384
     fp8_blocks_per_sm: int = 2
@@ -255,6 +258,8 @@ class Heuristics:
     fp8_worker_warps: int = 8
     fp8_worker_warps_min_row: int = 8192
     fp8_add_gather: bool = True
+    fp8_group_word_stores: bool = True
+    fp8_row_word_stores: bool = False
 
 
 _current = Heuristics()

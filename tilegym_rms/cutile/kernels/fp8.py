@@ -17,6 +17,10 @@ from ...experimental import experimental_kernel
 from .common import _F32, ADD_PRE, _effective_weight, _load_input, _normalize_as, _rstd_from_sum_sq, _sum_sq
 
 QUANT_STATIC, QUANT_TOKEN, QUANT_GROUP = 0, 1, 2
+# The kernel's WORDS switch: y_q stored value by value (an fp8 tensor), or as int64 words of 8 values (an int64
+# view of the fp8 rows) holding e4m3fn or e5m2 codes. A thread then stores 8 values an instruction, where it stores
+# one a value otherwise (PERFORMANCE.md, "FP8 output").
+WORDS_NONE, WORDS_E4M3, WORDS_E5M2 = 0, 1, 2
 
 
 def _pow2_ceil(s):
@@ -64,8 +68,10 @@ def _quantize_tile(
     GROUP,
     HAS_UB,
     UE8M0,
+    WORDS,
 ):
-    """Row tile ``b``: its ``y_q``, its scales when dynamic, and with ``ADD`` its sum."""
+    """Row tile ``b``: its ``y_q``, its scales when dynamic, and with ``ADD`` its sum. With ``WORDS`` (not
+    :data:`WORDS_NONE`) ``y_q`` is the int64 view of the fp8 rows and the tile is stored as words."""
     sdt = residual.dtype  # as in rms_norm_fwd_gather
     xf = _load_input(x, residual, res_out, (b, 0), (TILE_M, TILE_N), ADD, ADD == ADD_PRE)
     r = _rstd_from_sum_sq(_sum_sq(xf), x.shape[1], eps, CAST, sdt)
@@ -83,7 +89,12 @@ def _quantize_tile(
         s = _dynamic_scale(amax, ub, fp8_max, amax_floor, HAS_UB, UE8M0)
         q = ct.reshape(groups * (1.0 / s), (TILE_M, TILE_N))
         ct.store(scales, (b, 0), ct.reshape(s, (TILE_M, TILE_N // GROUP)), allow_tma=False)
-    ct.store(y_q, (b, 0), _saturate(q, fp8_max, y_q.dtype), allow_tma=False, latency=3)
+    if WORDS != WORDS_NONE:
+        q8 = _saturate(q, fp8_max, ct.float8_e5m2 if WORDS == WORDS_E5M2 else ct.float8_e4m3fn)
+        words = ct.unpack_from_bytes(ct.pack_to_bytes(q8), ct.int64)
+        ct.store(y_q, (b, 0), ct.reshape(words, (TILE_M, TILE_N // 8)), allow_tma=False, latency=3)
+    else:
+        ct.store(y_q, (b, 0), _saturate(q, fp8_max, y_q.dtype), allow_tma=False, latency=3)
 
 
 @experimental_kernel
@@ -110,6 +121,7 @@ def rms_norm_fp8_fwd(
     GROUP: ct.Constant[int],
     HAS_UB: ct.Constant[bool],
     UE8M0: ct.Constant[bool],
+    WORDS: ct.Constant[int],
     WALK: ct.Constant[bool],
 ):
     """``y_q`` (fp8) and, when dynamic, ``scales`` (fp32: ``(M,)`` per row, ``(M, cdiv(N, GROUP))`` per group)
@@ -118,7 +130,7 @@ def rms_norm_fp8_fwd(
     batch-invariant mode; without the loop the compiler builds no load ring). ``scale_in`` (one element) is read
     when static, ``scale_ub`` (one element) with ``HAS_UB``; otherwise each stands in for a dummy, as ``scales``
     does when static. ``ADD`` (ADD_NONE or ADD_PRE) as in the forward: the sum is stored into ``res_out``, which
-    may be ``residual`` itself."""
+    may be ``residual`` itself. ``WORDS``: how ``y_q`` is stored (:data:`WORDS_NONE`, or as int64 words)."""
     wt = _effective_weight(w, 0, offset, TILE_N, HAS_W, CAST, residual.dtype)
     inv_static = 1.0
     if QUANT == QUANT_STATIC:
@@ -126,7 +138,7 @@ def rms_norm_fp8_fwd(
     ub = 0.0
     if HAS_UB:
         ub = ct.reshape(ct.load(scale_ub, (0,), (1,)), (1, 1))
-    consts = (TILE_M, TILE_N, CAST, ADD, QUANT, GROUP, HAS_UB, UE8M0)
+    consts = (TILE_M, TILE_N, CAST, ADD, QUANT, GROUP, HAS_UB, UE8M0, WORDS)
     if WALK:
         for b in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
             _quantize_tile(b, x, wt, y_q, scales, residual, res_out, eps, inv_static, ub, fp8_max, amax_floor, *consts)
