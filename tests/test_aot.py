@@ -176,6 +176,10 @@ def test_fp8_variants_cover_every_quantization_mode_and_switch():
         (fp8.WORDS_E4M3, torch.int64),
         (fp8.WORDS_E5M2, torch.int64),
     }
+    # a row as one tile, and as a tile and a tail in every mode, stored either way
+    assert {c["TAIL_N"] > 0 for c in consts} == {True, False}
+    tails = {((c["QUANT"], c["GROUP"]), c["WORDS"] != fp8.WORDS_NONE) for c in consts if c["TAIL_N"]}
+    assert {mode for mode, _ in tails} == modes and {words for _, words in tails} == {True, False}
     assert set(vs) <= set(aot.variants())
 
 
@@ -332,4 +336,9 @@ def test_the_compile_check_builds_the_fp8_and_gated_launches_a_tables_settings_g
     fp8, gated = set(aot.fp8_variants()), set(aot.gated_variants())
     assert before_fp8 < fp8 and before_gated < gated
     # the FP8 tiles of 8192 elements: 2 rows of 4096 columns, where the reference target's hold 4
-    assert {v.constants()["TILE_M"] for v in fp8 - before_fp8 if v.constants()["TILE_N"] == 4096} == {2}
+    rows_4096 = {
+        v.constants()["TILE_M"]
+        for v in fp8 - before_fp8
+        if (v.constants()["TILE_N"], v.constants()["TAIL_N"]) == (4096, 0)
+    }
+    assert rows_4096 == {2}

@@ -548,6 +548,23 @@ def test_an_override_wins_over_a_tables_settings(host):
     assert tuned.params().fp8_tile_elems == 8192  # outside the override the table's again
 
 
+@pytest.mark.parametrize(
+    "n, group, one_row, prefill",
+    [(5120, None, (4096, 1024), (8192, 0)), (5120, 128, (4096, 1024), (8192, 0)), (4160, 64, (4096, 64), (8192, 0)),
+     (4160, 128, (8192, 0), (8192, 0)), (10240, 128, (8192, 2048), (8192, 2048)), (7168, None, (8192, 0), (8192, 0)),
+     (4096, None, (4096, 0), (4096, 0)), (32, 128, (128, 0), (128, 0))],
+)  # fmt: skip
+def test_fp8_tiles_of_one_row_are_a_tile_and_a_tail_where_that_holds_fewer_columns(n, group, one_row, prefill):
+    """The FP8 kernel's ``(TILE_N, TAIL_N)``: a tail where a tile is one row (decode sizes, the widest rows at
+    every M), the two hold fewer columns than the padded tile and no group straddles them (4160 per 128 columns
+    pads to 8192); tiles of several rows (5120 at 32768 rows) and every tile without ``fp8_tail`` padded."""
+    decode, walk = config.fp8_config(1, n, group, SMS), config.fp8_config(32768, n, group, SMS)
+    assert (decode.tile_n, decode.tail_n) == one_row and (walk.tile_n, walk.tail_n) == prefill
+    assert walk.tail_n == 0 or walk.tile_m == 1
+    with config.override(fp8_tail=False):
+        assert config.fp8_config(1, n, group, SMS).tail_n == 0
+
+
 def test_fp8_word_stores_follow_the_mode():
     """y_q as int64 words per group, value by value per row and static (the defaults, each a setting)."""
     assert config.fp8_config(32768, 4096, 128, SMS).words and not config.fp8_config(32768, 4096, None, SMS).words

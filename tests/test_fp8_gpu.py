@@ -110,6 +110,29 @@ def test_zero_and_nan_rows_and_saturation(group_size):
     assert torch.equal(sat.float().abs()[nonzero], torch.full_like(sat.float()[nonzero], 448.0))
 
 
+@pytest.mark.parametrize(
+    "m, n, mode, tail_n",
+    [(300, 5120, "token", 1024), (300, 5120, "group128", 1024), (300, 3072, "static", 1024),
+     (300, 5121, "token-ub", 2048), (300, 4160, "group64", 64), (300, 4160, "group128", 0),
+     (4000, 10240, "group128", 2048), (4000, 12288, "token", 4096)],
+)  # fmt: skip
+def test_rows_held_as_a_tile_and_a_tail(m, n, mode, tail_n):
+    """Tiles of one row that the kernel holds as a tile and a narrower tail (config.split_row; none where a group
+    would straddle them), at decode sizes (a block a row) and in the walk: each row's largest value, in its tail,
+    sets its row's or group's scale, and every value is within one fp8 step of float64."""
+    torch.manual_seed(n)
+    x = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    x[:, n - 3] = 40.0
+    w = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    kw = _quant_kwargs(mode, x)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    cfg = cutile_config.fp8_config(m, n, kw.get("group_size"), sms)
+    assert cfg.tile_m == 1 and cfg.tail_n == tail_n
+    with torch.no_grad():
+        y_q, scales = tilegym_rms.rms_norm_fp8(x, w, EPS, **kw)
+    _check(x, w, y_q, scales, kw)
+
+
 def test_the_last_group_is_scaled_by_its_own_columns():
     x = torch.ones(4, 200, device="cuda")
     x[:, 150] = 50.0
@@ -123,11 +146,12 @@ def test_the_last_group_is_scaled_by_its_own_columns():
 @pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mode", ["token", "group128", "static"])
 @pytest.mark.parametrize("m", [5, 2053])
-def test_fused_add(m, mode, residual_dtype):
+@pytest.mark.parametrize("n", [4096, 5120])  # 5120: a row per block as a tile and a tail
+def test_fused_add(n, m, mode, residual_dtype):
     torch.manual_seed(m)
-    x = torch.randn(m, 4096, dtype=torch.bfloat16, device="cuda")
-    residual = torch.randn(m, 4096, dtype=residual_dtype, device="cuda")
-    w = torch.randn(4096, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    residual = torch.randn(m, n, dtype=residual_dtype, device="cuda")
+    w = torch.randn(n, dtype=torch.bfloat16, device="cuda")
     kw = _quant_kwargs(mode, x)
     want_sum = reference.fused_add_sum(x, residual)
     with torch.no_grad():
@@ -139,7 +163,7 @@ def test_fused_add(m, mode, residual_dtype):
     # squares in another order (seen on an H100 at 2053 rows), so there the scales agree to a rounding of y.
     if residual_dtype == x.dtype:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        one_row = cutile_config.fp8_config(m, 4096, kw.get("group_size"), sms).tile_m == 1
+        one_row = cutile_config.fp8_config(m, n, kw.get("group_size"), sms).tile_m == 1
         if one_row:
             _assert_same_bits(y_q, unfused_q)
             assert torch.equal(scales, unfused_s)

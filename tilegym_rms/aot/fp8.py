@@ -21,9 +21,10 @@ def fp8_arch(arch: str) -> bool:
 
 
 # Widths that reach the kernel's tile classes: a row narrower than a group (the tile is the group), a row that is
-# not whole int64 words (y_q stored value by value) whose last group is partial, the common LLM widths, and the
-# widest tile (FP8_MAX_N).
-FP8_N = (32, 1001, 4096, 5120, 16384)
+# not whole int64 words (y_q stored value by value) whose last group is partial, the common LLM widths (5120 as a
+# tile and a tail in tiles of one row, the decode sizes), a tile and a tail in the walk (10240), and the widest
+# tile (FP8_MAX_N).
+FP8_N = (32, 1001, 4096, 5120, 10240, 16384)
 # The width at which every switch is compiled (the others take the default call of each quantization mode).
 FP8_FULL_N = 5120
 # (static, group_size) of each quantization mode: static, per row, per group of 64 and of 128. Every width gets

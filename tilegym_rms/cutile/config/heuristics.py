@@ -250,7 +250,9 @@ class Heuristics:
     # narrower rows take the persistent forward's settings. y_q is stored as int64 words of 8 values in the
     # per-group mode with fp8_group_word_stores and in the static and per-row modes with fp8_row_word_stores
     # (where a row is whole words): timed on an H200, words won 9-10% per group and were level or lost up to 2%
-    # in the other modes.
+    # in the other modes. With fp8_tail a tile of one row whose width is not a power of two is held as a tile and
+    # a narrower tail (config.split_row: 5120 = 4096 + 1024) rather than one padded tile: 1.05-2.0x on an H200
+    # where the tile is one row, 0.73-1.06x where it is several (those keep the padded tile).
     fp8_min_row: int = 2048
     fp8_tile_elems: int = 16384
     fp8_blocks_per_sm: int = 2
@@ -260,6 +262,7 @@ class Heuristics:
     fp8_add_gather: bool = True
     fp8_group_word_stores: bool = True
     fp8_row_word_stores: bool = False
+    fp8_tail: bool = True
 
 
 _current = Heuristics()

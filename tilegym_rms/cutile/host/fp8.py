@@ -49,7 +49,7 @@ def fp8_launch(tgt: Target, m, n, dtype, casting_mode, has_w, add, quant, group_
     group = grouped or 1  # the constant of the other modes, never read
     walk = cfg.grid < config.cdiv(m, cfg.tile_m)  # else each block owns exactly one tile
     words = words_mode(n, out_dtype, cfg.words)
-    constants = (cfg.tile_m, cfg.tile_n, CASTING_CODES[casting_mode], has_w, add, quant, group, has_ub,
+    constants = (cfg.tile_m, cfg.tile_n, cfg.tail_n, CASTING_CODES[casting_mode], has_w, add, quant, group, has_ub,
                  ue8m0, words, walk)  # fmt: skip
     kernel = common.kernels().rms_norm_fp8_fwd
     return make_launch(kernel, (cfg.grid,), constants, cfg.hints, cls=FP8Launch, words=words)
