@@ -459,6 +459,34 @@ def test_cutile_grouped_backward_warps(n, group_size, norm_before_gate, gate_dty
         assert dict(cfg.bwd.hints).get("num_worker_warps", 0) == (0 if warps == "before" else want)
 
 
+@pytest.mark.parametrize(
+    "n,group_size,gate_dtype,invariant,grouped",
+    [(8192, 1024, torch.bfloat16, False, True), (16384, 1024, torch.bfloat16, False, True),
+     (8192, 2048, torch.bfloat16, False, False), (8192, 1024, torch.float32, False, False),
+     (8192, 8192, torch.bfloat16, False, False), (8192, 1024, torch.bfloat16, True, False)],
+)  # fmt: skip
+def test_cutile_grouped_backward_keeps_its_settings_on_narrow_groups(n, group_size, gate_dtype, invariant, grouped):
+    """Tile rows of 8192 columns take the wide backward's settings, except rows of several groups with a 16-bit gate
+    (outside the batch-invariant mode) whose padded groups are narrower than gated_bwd_grouped_wide_min_group: those
+    keep the grouped settings (PERFORMANCE.md, "Gated RMSNorm")."""
+    from tilegym_rms.cutile import config
+
+    p = config.HEURISTICS
+    wide = {"occupancy": p.bwd_wide_occupancy, "num_worker_warps": p.bwd_wide_worker_warps}
+    wide = {k: v for k, v in wide.items() if v}
+
+    def bwd():
+        return config.gated_config(65536, n, group_size, torch.bfloat16, 132, invariant, gate_dtype).bwd
+
+    assert dict(bwd().hints) == wide  # the default: every wide row
+    with config.override(gated_bwd_grouped_wide_min_group=2048):
+        launch = bwd()
+        assert (dict(launch.hints) != wide) == grouped
+        if grouped:
+            assert launch.grid[0] == 132 * p.gated_bwd_blocks_per_sm // launch.grid[1]
+            assert dict(launch.hints).get("num_worker_warps", 0) == p.gated_bwd_grouped_worker_warps
+
+
 def test_cutile_narrow_forward_walks_when_asked():
     """gated_narrow_fwd_walk on: the forward of narrow rows walks its row tiles with the general settings, as wider
     rows do; a partial last tile still gets a block."""

@@ -71,7 +71,8 @@ def gated_config(
     bwd_blocks, bwd_hints = p.gated_bwd_blocks_per_sm, hints
     # The batch-invariant mode keeps eight warps: with the compiler's choice a row reached in a later iteration of
     # the row loop came out an ulp apart (PERFORMANCE.md, "Batch invariance").
-    if tile_g > 1 and gate_bytes == 2 and not invariant:  # never one row: that takes a single group or fp32
+    grouped_16bit = tile_g > 1 and gate_bytes == 2 and not invariant
+    if grouped_16bit:  # never one row: that takes a single group or fp32
         warps = p.gated_bwd_grouped_worker_warps
         if (
             norm_before_gate
@@ -80,7 +81,8 @@ def gated_config(
         ):
             warps = p.gated_bwd_grouped_before_worker_warps
         bwd_hints = make_hints(occupancy=p.gated_occupancy, num_worker_warps=warps)
-    if row >= p.gated_bwd_wide_min_row:  # the plain wide backward's settings
+    narrow_groups = grouped_16bit and tile_s < p.gated_bwd_grouped_wide_min_group
+    if row >= p.gated_bwd_wide_min_row and not narrow_groups:  # the plain wide backward's settings
         bwd_hints = make_hints(occupancy=p.bwd_wide_occupancy, num_worker_warps=p.bwd_wide_worker_warps)
         bwd_blocks = p.bwd_wide_blocks_per_sm
     fwd_hints, fwd_walk = hints, True

@@ -199,7 +199,10 @@ class Heuristics:
     # beyond, 8 blocks per SM; the backward (x, z and dy live) tiles of 8192 elements, 2 blocks per SM, but one
     # row per tile from gated_bwd_one_row_min padded columns on for a single group (two such rows spill) or an
     # fp32 gate (a row of several groups with a 16-bit gate lost at one row per tile), and from
-    # gated_bwd_wide_min_row on the plain wide backward's settings. A backward tile of several groups with a
+    # gated_bwd_wide_min_row on the plain wide backward's settings, except rows of several groups with a 16-bit
+    # gate whose padded groups are narrower than gated_bwd_grouped_wide_min_group (0: none), which keep the
+    # settings below (on an H200, 1.18-1.75x at groups of 512-1024 columns; groups of 2048 lost 0.46x or tied,
+    # an fp32 gate lost). A backward tile of several groups with a
     # 16-bit gate takes gated_bwd_grouped_worker_warps (0: the compiler's choice) instead; with the norm before
     # the gate, tile rows of gated_bwd_grouped_before_row padded columns in groups of at least
     # gated_bwd_grouped_before_min_group take gated_bwd_grouped_before_worker_warps (measured at 2048 columns in
@@ -212,6 +215,7 @@ class Heuristics:
     gated_bwd_one_row_min: int = 4096
     gated_bwd_blocks_per_sm: int = 2
     gated_bwd_wide_min_row: int = 8192
+    gated_bwd_grouped_wide_min_group: int = 0
     # The backward of tile rows of at most gated_narrow_max_row padded columns (a 128-wide head, Qwen3-Next's
     # gated norm), measured on an H100 at 2^18 rows of 128 columns with a bf16 gate (PERFORMANCE.md, "Gated
     # RMSNorm"), by where the gate applies: gated_narrow_bwd_before_* (128-row tiles, eight warps) and
