@@ -328,12 +328,16 @@ def test_the_compile_check_builds_the_fp8_and_gated_launches_a_tables_settings_g
     variants beside the reference target's."""
     from tilegym_rms.cutile import tuning
 
-    before_fp8, before_gated = set(aot.fp8_variants()), set(aot.gated_variants())
-    h200 = tuning.packaged("sm90_132sm.nvidia-h200")
-    tuned = tuning.Table({**h200.doc, "heuristics": {"fp8_tile_elems": 8192, "gated_bwd_tile_elems": 4096}})
-    packaged = tuning.packaged
-    monkeypatch.setattr(tuning, "packaged", lambda key: tuned if key == h200.key else packaged(key))
-    fp8, gated = set(aot.fp8_variants()), set(aot.gated_variants())
+    h200, packaged = tuning.packaged("sm90_132sm.nvidia-h200"), tuning.packaged
+    plain_doc = {k: v for k, v in h200.doc.items() if k != "heuristics"}
+
+    def variants_with(doc):
+        table = tuning.Table(doc)
+        monkeypatch.setattr(tuning, "packaged", lambda key: table if key == h200.key else packaged(key))
+        return set(aot.fp8_variants()), set(aot.gated_variants())
+
+    before_fp8, before_gated = variants_with(plain_doc)
+    fp8, gated = variants_with({**plain_doc, "heuristics": {"fp8_tile_elems": 8192, "gated_bwd_tile_elems": 4096}})
     assert before_fp8 < fp8 and before_gated < gated
     # the FP8 tiles of 8192 elements: 2 rows of 4096 columns, where the reference target's hold 4
     rows_4096 = {
