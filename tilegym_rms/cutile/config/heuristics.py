@@ -256,7 +256,9 @@ class Heuristics:
     # (where a row is whole words): timed on an H200, words won 9-10% per group and were level or lost up to 2%
     # in the other modes. With fp8_tail a tile of one row whose width is not a power of two is held as a tile and
     # a narrower tail (config.split_row: 5120 = 4096 + 1024) rather than one padded tile: 1.05-2.0x on an H200
-    # where the tile is one row, 0.73-1.06x where it is several (those keep the padded tile).
+    # where the tile is one row, 0.73-1.06x where it is several (those keep the padded tile). From
+    # fp8_tail_one_row_min padded columns (0: never) a row that splits so takes a tile of its own in the walk,
+    # with the tail, instead of sharing a padded tile (on an H200 1.05-1.28x at 5120 and 6144 columns, one sweep).
     fp8_min_row: int = 2048
     fp8_tile_elems: int = 16384
     fp8_blocks_per_sm: int = 2
@@ -267,6 +269,7 @@ class Heuristics:
     fp8_group_word_stores: bool = True
     fp8_row_word_stores: bool = False
     fp8_tail: bool = True
+    fp8_tail_one_row_min: int = 0
 
 
 _current = Heuristics()
