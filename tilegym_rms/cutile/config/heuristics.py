@@ -201,7 +201,7 @@ class Heuristics:
     # fp32 gate (a row of several groups with a 16-bit gate lost at one row per tile), and from
     # gated_bwd_wide_min_row on the plain wide backward's settings, except rows of several groups with a 16-bit
     # gate whose padded groups are narrower than gated_bwd_grouped_wide_min_group (0: none), which keep the
-    # settings below (on an H200, 1.18-1.75x at groups of 512-1024 columns; groups of 2048 lost 0.46x or tied,
+    # settings below (on an H200, 1.18-1.74x at groups of 512-1024 columns; groups of 2048 lost 0.46x or tied,
     # an fp32 gate lost). A backward tile of several groups with a
     # 16-bit gate takes gated_bwd_grouped_worker_warps (0: the compiler's choice) instead; with the norm before
     # the gate, tile rows of gated_bwd_grouped_before_row padded columns in groups of at least
