@@ -13,6 +13,7 @@ import tilegym_rms
 from tilegym_rms import reference
 from tilegym_rms.cutile import config as cutile_config
 from tilegym_rms.cutile.host import fp8 as fp8_host
+from tilegym_rms.cutile.host.common import target
 from tilegym_rms.testing import fp8_step_errors
 
 pytestmark = pytest.mark.gpu
@@ -27,6 +28,12 @@ M_GRID = (1, 7, 256, 2053)
 @pytest.fixture(autouse=True)
 def _quiet_experimental(monkeypatch):
     monkeypatch.setenv("TILEGYM_RMS_SILENCE_EXPERIMENTAL", "1")
+
+
+def _config(m, n, group_size, device):
+    """The FP8 kernel's configuration on ``device`` as the host builds it: its SM count and its table's settings."""
+    tgt = target(device.index)
+    return cutile_config.fp8_config(m, n, group_size, tgt.sms, params=tgt.params())
 
 
 def _launches():
@@ -125,8 +132,7 @@ def test_rows_held_as_a_tile_and_a_tail(m, n, mode, tail_n):
     x[:, n - 3] = 40.0
     w = torch.randn(n, dtype=torch.bfloat16, device="cuda")
     kw = _quant_kwargs(mode, x)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    cfg = cutile_config.fp8_config(m, n, kw.get("group_size"), sms)
+    cfg = _config(m, n, kw.get("group_size"), x.device)
     assert cfg.tile_m == 1 and cfg.tail_n == tail_n
     with torch.no_grad():
         y_q, scales = tilegym_rms.rms_norm_fp8(x, w, EPS, **kw)
@@ -162,8 +168,7 @@ def test_fused_add(n, m, mode, residual_dtype):
     # for bit where a block holds one row; in a tile of several rows the fused and plain builds may sum a row's
     # squares in another order (seen on an H100 at 2053 rows), so there the scales agree to a rounding of y.
     if residual_dtype == x.dtype:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        one_row = cutile_config.fp8_config(m, n, kw.get("group_size"), sms).tile_m == 1
+        one_row = _config(m, n, kw.get("group_size"), x.device).tile_m == 1
         if one_row:
             _assert_same_bits(y_q, unfused_q)
             assert torch.equal(scales, unfused_s)
