@@ -292,9 +292,10 @@ def _emulated_launch(calls):
         name = kernel_name(kernel)
         calls.append(name)
         if name == "gated_rms_norm_fwd":
-            x, z, w, y, rstd, eps, offset, _tm, tile_g, tile_s, cast, has_w, nbg, gate, store, _walk = args
+            x, z, w, y, rstd, eps, offset, _tm, tile_g, tile_s, tail_s, cast, has_w, nbg, gate, store, _walk = args
             m, groups, size = x.shape
-            assert grid[1] == -(-groups // tile_g) and size <= tile_s < 2 * size
+            assert grid[1] == -(-groups // tile_g) and size <= tile_s + tail_s < 2 * size
+            assert tail_s == 0 or tail_s <= tile_s < size  # a group as a tile and a narrower tail
             mode = reference.KERNEL_CASTING_MODES[cast]
             weight = w.reshape(-1) if has_w else None
             out, r = reference.gated_rms_norm_forward(
@@ -485,6 +486,23 @@ def test_cutile_grouped_backward_keeps_its_settings_on_narrow_groups(n, group_si
         if grouped:
             assert launch.grid[0] == 132 * p.gated_bwd_blocks_per_sm // launch.grid[1]
             assert dict(launch.hints).get("num_worker_warps", 0) == p.gated_bwd_grouped_worker_warps
+
+
+@pytest.mark.parametrize(
+    "group_size,tiles", [(768, (512, 256)), (1536, (1024, 512)), (1024, (1024, 0)), (80, (128, 0))]
+)
+def test_cutile_forward_holds_a_group_as_a_tile_and_a_tail_from_a_setting(group_size, tiles):
+    """From gated_fwd_tail_min_group columns a group that is not a power of two is a tile and a narrower tail in the
+    forward (config.split_row), narrower groups and powers of two keep one padded tile; the backward keeps its
+    padded tiles; off by default."""
+    from tilegym_rms.cutile import config
+
+    n = 8 * group_size
+    assert config.gated_config(40000, n, group_size, torch.bfloat16, 132).fwd.tail_s == 0
+    with config.override(gated_fwd_tail_min_group=256):
+        cfg = config.gated_config(40000, n, group_size, torch.bfloat16, 132)
+    head = cfg.tile_s // 2 if cfg.fwd.tail_s else cfg.tile_s
+    assert (head, cfg.fwd.tail_s) == tiles and cfg.bwd.tail_s == 0
 
 
 def test_cutile_narrow_forward_walks_when_asked():

@@ -260,3 +260,30 @@ def test_batch_invariant_mode_warns_where_torch_math_runs(norm_before_gate):
         small = [t[:, :1024].detach().requires_grad_() for t in (x, z)] + [w[:1024].detach().requires_grad_()]
         with tilegym_rms.batch_invariant():
             call(*small)
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,group_size", [(6144, 768), (3 * 96, 96), (1536 * 3, 1536), (2 * 1000, 1000)])
+@pytest.mark.parametrize("m", [7, 4097])
+def test_cutile_forward_with_groups_as_a_tile_and_a_tail(m, n, group_size, gate_dtype, norm_before_gate):
+    """gated_fwd_tail_min_group on: groups that are not a power of two run the forward as a tile and a narrower tail
+    (768 = 512 + 256, 96 = 64 + 32, 1536 = 1024 + 512; 1000 keeps its padded 1024); every output against float64
+    y against the padded tile's build within the dtype's tolerance (the sums of squares run in another order)."""
+    from tilegym_rms import cutile
+    from tilegym_rms.cutile import config
+    from tilegym_rms.cutile.host import gated as gated_host
+    from tilegym_rms.cutile.host.common import target
+
+    x, z, w, dy = _inputs(m, n, torch.bfloat16, gate_dtype, seed=group_size)
+    padded = _check("cutile", x, z, w, dy, group_size, norm_before_gate)[0]
+    try:
+        with config.override(gated_fwd_tail_min_group=64):
+            cutile.clear_caches()  # the host caches launches by shape: rebuild them under the setting
+            launch = gated_host.forward_launch(target(x.device.index), m, n, group_size, x.dtype, "llama", True,
+                                               norm_before_gate, True)  # fmt: skip
+            assert (launch.constants[3] > 0) == (group_size != 1000)  # TAIL_S
+            y = _check("cutile", x, z, w, dy, group_size, norm_before_gate)[0]
+    finally:
+        cutile.clear_caches()
+    torch.testing.assert_close(y, padded, rtol=Y_TOL[x.dtype], atol=0)

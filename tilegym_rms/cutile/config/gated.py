@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..._tiling import cdiv, next_pow2, prev_pow2
 from .heuristics import Heuristics, Hints, current, m_bucket, make_hints
+from .rows import split_row
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class GatedLaunch:
     grid: tuple[int, int]  # (persistent over row tiles, chunks of tile_g groups)
     hints: Hints = ()
     walk: bool = True  # False: one row tile per block, without the loop (grid[0] is every row tile)
+    tail_s: int = 0  # the forward only: a group as its first tile_s // 2 columns and a tail of the next tail_s
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,8 @@ def gated_config(
         if not p.gated_narrow_fwd_walk:
             fwd_elems, fwd_walk = p.gated_narrow_fwd_tile_elems, False
             fwd_hints = make_hints(occupancy=p.gated_narrow_occupancy, num_worker_warps=p.gated_worker_warps)
-    return GatedConfig(
-        tile_s,
-        launch(fwd_elems, p.gated_fwd_blocks_per_sm, fwd_hints, invariant, fwd_walk),
-        launch(bwd_elems, bwd_blocks, bwd_hints),
-    )
+    fwd = launch(fwd_elems, p.gated_fwd_blocks_per_sm, fwd_hints, invariant, fwd_walk)
+    tail = split_row(group_size)[1]
+    if p.gated_fwd_tail_min_group and group_size >= p.gated_fwd_tail_min_group and tail:
+        fwd = replace(fwd, tail_s=tail)
+    return GatedConfig(tile_s, fwd, launch(bwd_elems, bwd_blocks, bwd_hints))

@@ -216,6 +216,10 @@ class Heuristics:
     gated_bwd_blocks_per_sm: int = 2
     gated_bwd_wide_min_row: int = 8192
     gated_bwd_grouped_wide_min_group: int = 0
+    # From gated_fwd_tail_min_group columns (0: never) the forward holds a group that is not a power of two as a
+    # tile and a narrower tail (config.split_row: 768 = 512 + 256) rather than one padded tile, as the QK and FP8
+    # kernels hold theirs (PERFORMANCE.md, "Gated RMSNorm", groups of 768).
+    gated_fwd_tail_min_group: int = 0
     # The backward of tile rows of at most gated_narrow_max_row padded columns (a 128-wide head, Qwen3-Next's
     # gated norm), measured on an H100 at 2^18 rows of 128 columns with a bf16 gate (PERFORMANCE.md, "Gated
     # RMSNorm"), by where the gate applies: gated_narrow_bwd_before_* (128-row tiles, eight warps) and

@@ -33,10 +33,11 @@ from .common import (
 GATE_SIGMOID = GATE_CODES["sigmoid"]
 
 
-def _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, dtype):
-    """``offset + w`` for group chunk ``chunk`` as a ``(1, TILE_G, TILE_S)`` fp32 tile (ones without a weight)."""
+def _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, dtype, part=0):
+    """``offset + w`` for group chunk ``chunk`` as a ``(1, TILE_G, TILE_S)`` fp32 tile (ones without a weight);
+    ``part``: the tile's index along a group (a tail's ``TILE_S // TAIL_S`` in its own width)."""
     if HAS_W:
-        wt = ct.reshape(_load_f32(w, (chunk, 0), (TILE_G, TILE_S), None), (1, TILE_G, TILE_S))
+        wt = ct.reshape(_load_f32(w, (chunk, part), (TILE_G, TILE_S), None), (1, TILE_G, TILE_S))
         return _offset_weight(wt, offset, CAST, dtype)
     return ct.full((1, TILE_G, TILE_S), 1.0, dtype=_F32)
 
@@ -92,14 +93,28 @@ def _gated_output(h, r, wt, s, CAST, NORM_BEFORE_GATE, dtype):
     return ct.astype(ct.astype(_normalize(h, r, wt, CAST, dtype), _F32) * s, dtype)
 
 
-def _gated_fwd_tile(t, x, z, y, rstd, wt, eps, chunk, TILE_M, TILE_G, TILE_S, CAST, NORM_BEFORE_GATE, GATE, STORE_RSTD):
-    """Row tile ``t`` of group chunk ``chunk``: y (and rstd with ``STORE_RSTD``)."""
-    shape = (TILE_M, TILE_G, TILE_S)
-    s = _gate(_load_f32(z, (t, chunk, 0), shape, 10), CAST, GATE, x.dtype)
-    h = _gated_input(_load_f32(x, (t, chunk, 0), shape, 10), s, CAST, NORM_BEFORE_GATE, x.dtype)
-    r = _rstd_from_sum_sq(ct.sum(h * h, axis=2, keepdims=True), x.shape[2], eps, CAST, x.dtype)
-    out = _gated_output(h, r, wt, s, CAST, NORM_BEFORE_GATE, y.dtype)
-    ct.store(y, (t, chunk, 0), out, allow_tma=False, latency=3)
+def _gated_part(x, z, index, shape, CAST, NORM_BEFORE_GATE, GATE):
+    """The gate and the values normalized (:func:`_gated_input`) of one tile of x and z."""
+    s = _gate(_load_f32(z, index, shape, 10), CAST, GATE, x.dtype)
+    return s, _gated_input(_load_f32(x, index, shape, 10), s, CAST, NORM_BEFORE_GATE, x.dtype)
+
+
+def _gated_fwd_tile(t, x, z, y, rstd, wt, wt_tail, eps, chunk, TILE_M, TILE_G, TILE_S, TAIL_S, CAST, NORM_BEFORE_GATE,
+                    GATE, STORE_RSTD):  # fmt: skip
+    """Row tile ``t`` of group chunk ``chunk``: y (and rstd with ``STORE_RSTD``). With ``TAIL_S`` a group is the
+    tile's ``TILE_S`` columns and a tail tile of the next ``TAIL_S`` (its index along the group ``TILE_S //
+    TAIL_S``)."""
+    s, h = _gated_part(x, z, (t, chunk, 0), (TILE_M, TILE_G, TILE_S), CAST, NORM_BEFORE_GATE, GATE)
+    sum_sq = ct.sum(h * h, axis=2, keepdims=True)
+    if TAIL_S:
+        tail = (t, chunk, TILE_S // TAIL_S)
+        s_tail, h_tail = _gated_part(x, z, tail, (TILE_M, TILE_G, TAIL_S), CAST, NORM_BEFORE_GATE, GATE)
+        sum_sq = sum_sq + ct.sum(h_tail * h_tail, axis=2, keepdims=True)
+    r = _rstd_from_sum_sq(sum_sq, x.shape[2], eps, CAST, x.dtype)
+    ct.store(y, (t, chunk, 0), _gated_output(h, r, wt, s, CAST, NORM_BEFORE_GATE, y.dtype), allow_tma=False, latency=3)
+    if TAIL_S:
+        out_tail = _gated_output(h_tail, r, wt_tail, s_tail, CAST, NORM_BEFORE_GATE, y.dtype)
+        ct.store(y, tail, out_tail, allow_tma=False, latency=3)
     if STORE_RSTD:
         ct.store(rstd, (t, chunk), ct.reshape(r, (TILE_M, TILE_G)), allow_tma=False)
 
@@ -117,6 +132,7 @@ def gated_rms_norm_fwd(
     TILE_M: ct.Constant[int],
     TILE_G: ct.Constant[int],
     TILE_S: ct.Constant[int],
+    TAIL_S: ct.Constant[int],
     CAST: ct.Constant[int],
     HAS_W: ct.Constant[bool],
     NORM_BEFORE_GATE: ct.Constant[bool],
@@ -126,15 +142,19 @@ def gated_rms_norm_fwd(
 ):
     """One read of x and z, one write of y (and of rstd with ``STORE_RSTD``; else ``rstd`` is a dummy).
     ``WALK``: grid axis 0 strides over the row tiles; otherwise each block runs row tile ``bid(0)`` alone (no loop,
-    no ring of load stages: the plain forward's ``"tiles"``)."""
+    no ring of load stages: the plain forward's ``"tiles"``). ``TAIL_S``: see :func:`_gated_fwd_tile`."""
     chunk = ct.bid(1)
     wt = _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, x.dtype)
-    consts = (TILE_M, TILE_G, TILE_S, CAST, NORM_BEFORE_GATE, GATE, STORE_RSTD)
+    wt_tail = wt
+    if TAIL_S:
+        wt_tail = _gated_weight(w, chunk, offset, TILE_G, TAIL_S, HAS_W, CAST, x.dtype, TILE_S // TAIL_S)
+    args = (x, z, y, rstd, wt, wt_tail, eps, chunk)
+    consts = (TILE_M, TILE_G, TILE_S, TAIL_S, CAST, NORM_BEFORE_GATE, GATE, STORE_RSTD)
     if WALK:
         for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
-            _gated_fwd_tile(t, x, z, y, rstd, wt, eps, chunk, *consts)
+            _gated_fwd_tile(t, *args, *consts)
     else:
-        _gated_fwd_tile(ct.bid(0), x, z, y, rstd, wt, eps, chunk, *consts)
+        _gated_fwd_tile(ct.bid(0), *args, *consts)
 
 
 @experimental_kernel
