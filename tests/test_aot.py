@@ -122,13 +122,15 @@ def test_qk_variants_cover_the_head_dims_and_both_kernels():
 
 def test_gated_variants_cover_the_tile_classes_and_axes():
     """The gated variants reach each group tile of GATED_SHAPES (a padded group, groups padded to a power of two
-    in count), both orders of norm and gate, every casting mode (with either gate), the no-weight and no-rstd
-    forward, and an fp32 gate beside bf16 x."""
+    in count, and the tile and tail a table's settings give), both orders of norm and gate, every casting mode (with
+    either gate), the no-weight and no-rstd forward, and an fp32 gate beside bf16 x."""
     gated = aot.gated_variants()
     assert {v.kernel_name for v in gated} == {"gated_rms_norm_fwd", "gated_rms_norm_bwd", "rms_norm_dw_reduce"}
     fwd = [v for v in gated if v.kernel_name == "gated_rms_norm_fwd"]
-    tiles = {(c["TILE_G"], c["TILE_S"]) for c in (v.constants() for v in fwd)}
-    assert tiles == {(1, 128), (1, 8192), (4, 512), (32, 128), (8, 1024)}
+    tiles = {(c["TILE_G"], c["TILE_S"], c["TAIL_S"]) for c in (v.constants() for v in fwd)}
+    padded = {(1, 128, 0), (1, 8192, 0), (4, 512, 0), (32, 128, 0), (8, 1024, 0)}
+    # A table that sets gated_fwd_tail_min_group (the H200's) holds 5120 and groups of 96 as a tile and a tail.
+    assert tiles == padded | {(1, 4096, 1024), (32, 64, 32)}
     assert {c["CAST"] for c in (v.constants() for v in fwd)} == set(CASTING_CODES.values())
     sigmoid = [c for c in (v.constants() for v in fwd) if c["GATE"] == GATE_CODES["sigmoid"]]
     assert {c["CAST"] for c in sigmoid} == set(CASTING_CODES.values())
