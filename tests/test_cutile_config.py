@@ -568,13 +568,16 @@ def test_fp8_tiles_of_one_row_are_a_tile_and_a_tail_where_that_holds_fewer_colum
 @pytest.mark.parametrize(
     "n, tiles", [(5120, (1, 4096, 1024)), (6144, (1, 4096, 2048)), (7168, (2, 8192, 0)), (2560, (4, 4096, 0))]
 )
-def test_fp8_rows_with_a_tail_take_a_tile_each_from_a_setting(n, tiles):
-    """With ``fp8_tail_one_row_min`` set, walked rows of at least that many padded columns that split into a tile
-    and a tail get a tile of one row (with the tail); rows without a tail (7168) and narrower ones keep theirs."""
-    with config.override(fp8_tail_one_row_min=8192):
-        cfg = config.fp8_config(32768, n, None, SMS)
+def test_fp8_group_rows_with_a_tail_take_a_tile_each_from_a_setting(n, tiles):
+    """With ``fp8_group_tail_one_row_min`` set, walked per-group rows of at least that many padded columns that
+    split into a tile and a tail get a tile of one row (with the tail); rows without a tail (7168), narrower ones and
+    the per-row mode keep theirs."""
+    with config.override(fp8_group_tail_one_row_min=8192):
+        cfg = config.fp8_config(32768, n, 128, SMS)
+        per_row = config.fp8_config(32768, n, None, SMS)
     assert (cfg.tile_m, cfg.tile_n, cfg.tail_n) == tiles
-    assert config.fp8_config(32768, n, None, SMS).tail_n == 0  # off by default: several padded rows a tile
+    assert per_row == config.fp8_config(32768, n, None, SMS)  # the setting is the per-group mode's alone
+    assert config.fp8_config(32768, n, 128, SMS).tail_n == 0  # off by default: several padded rows a tile
 
 
 def test_fp8_word_stores_follow_the_mode():

@@ -42,8 +42,8 @@ def fp8_config(
     (PERFORMANCE.md, "Batch invariance"). The settings choose by the padded row (``next_pow2(N)``) either way; with
     ``fp8_tail`` a tile of one row splits into a tile and a tail where that holds fewer columns and no group
     straddles them (tiles of several rows keep the padded tile: with a tail they lost, PERFORMANCE.md, "FP8
-    output"); from ``fp8_tail_one_row_min`` padded columns (0: never) such rows take a tile each; ``words``:
-    ``fp8_group_word_stores`` or ``fp8_row_word_stores`` by the mode."""
+    output"); in the per-group mode, from ``fp8_group_tail_one_row_min`` padded columns (0: never), such rows take a
+    tile each; ``words``: ``fp8_group_word_stores`` or ``fp8_row_word_stores`` by the mode."""
     p = params or current()
     tile_n = max(next_pow2(n), group_size or 1)
     if tile_n > FP8_MAX_TILE_N:
@@ -62,7 +62,8 @@ def fp8_config(
         warps = p.fp8_worker_warps if tile_n >= p.fp8_worker_warps_min_row else 0
         blocks_per_sm, occupancy = p.fp8_blocks_per_sm, p.fp8_occupancy
         tile_m = tile_rows(tile_n, p.fp8_tile_elems, p)
-        if p.fp8_tail_one_row_min and tile_n >= p.fp8_tail_one_row_min and row_split(1)[1]:
+        one_row_min = p.fp8_group_tail_one_row_min if group_size else 0
+        if one_row_min and tile_n >= one_row_min and row_split(1)[1]:
             tile_m = 1  # a row a tile, held as a tile and a tail
     else:
         blocks_per_sm, occupancy, warps = persistent_class(tile_n, "fwd", p)

@@ -260,9 +260,10 @@ class Heuristics:
     # (where a row is whole words): timed on an H200, words won 9-10% per group and were level or lost up to 2%
     # in the other modes. With fp8_tail a tile of one row whose width is not a power of two is held as a tile and
     # a narrower tail (config.split_row: 5120 = 4096 + 1024) rather than one padded tile: 1.05-2.0x on an H200
-    # where the tile is one row, 0.73-1.06x where it is several (those keep the padded tile). From
-    # fp8_tail_one_row_min padded columns (0: never) a row that splits so takes a tile of its own in the walk,
-    # with the tail, instead of sharing a padded tile (on an H200 1.05-1.28x at 5120 and 6144 columns, one sweep).
+    # where the tile is one row, 0.73-1.06x where it is several (those keep the padded tile). In the per-group
+    # mode, from fp8_group_tail_one_row_min padded columns (0: never), a row that splits so takes a tile of its own
+    # in the walk, with the tail, instead of sharing a padded tile: on an H200 1.10-1.34x at 4608-6144 columns
+    # and 20000-32768 rows, where the per-row and static modes lost up to 16% at 20000 rows.
     fp8_min_row: int = 2048
     fp8_tile_elems: int = 16384
     fp8_blocks_per_sm: int = 2
@@ -273,7 +274,7 @@ class Heuristics:
     fp8_group_word_stores: bool = True
     fp8_row_word_stores: bool = False
     fp8_tail: bool = True
-    fp8_tail_one_row_min: int = 0
+    fp8_group_tail_one_row_min: int = 0
 
 
 _current = Heuristics()
