@@ -131,7 +131,8 @@ measures (--measure, comma list; default all, or forward,backward,full with --qu
              traffic = read x (and r), w; write y_q (1 byte per element), the scales (fp32; the static one
              read) (and the sum). The check dequantizes y_q (y_q * scales) against float64 math (limit 2^-4).
   gated      gated RMSNorm (hybrid models): y = provider(x, z, w), M in {8192, 65536} x N in {128, 2048, 4096,
-             8192}, bf16 x; rows of 1024 columns or more in 8 groups (Mamba2), narrower as one group. Eight
+             8192}, bf16 x; rows of 1024 columns or more in 8 groups (Mamba2; --gated-groups K for another
+             count, 1 for whole rows, recorded as "groups"), narrower as one group. Eight
              ops gated_{fwd,bwd}_{before,after}_{bf16gate,fp32gate}: the norm before the gate
              (rms_norm(x) * w * silu(z), Qwen3-Next) or after it (rms_norm(x * silu(z)) * w, Mamba2), with a
              bf16 or an fp32 gate. fwd under torch.no_grad(); traffic = read x, z, w + write y. bwd: the
@@ -211,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="qk_norm: query and key heads HQ:HK (default {}:{}); q has M rows, k M * HK / HQ; M a multiple of "
         "HQ".format(*base.QK_HEADS_DEFAULT),
     )
+    parser.add_argument(
+        "--gated-groups",
+        type=cli_args.positive_int,
+        default=gated.GROUPS_DEFAULT,
+        help=f"gated: groups per row of {gated.GROUPED_MIN_N} columns or more (default {gated.GROUPS_DEFAULT}; 1: "
+        "each row one group); N a multiple of it",
+    )
     cli_args.add_common_args(parser)
     return parser
 
@@ -252,14 +260,18 @@ def label_for(suite: str):
 
         return label
     grid = grid_label(suite)
-    if suite != "qk_norm" or base.QK_HEADS == base.QK_HEADS_DEFAULT:
+    if suite == "qk_norm" and base.QK_HEADS != base.QK_HEADS_DEFAULT:
+        layout = {"heads": "{}:{}".format(*base.QK_HEADS)}
+    elif suite == "gated" and gated.GROUPS != gated.GROUPS_DEFAULT:
+        layout = {"groups": gated.GROUPS}
+    else:
         return grid
 
-    def qk_label(dtype_name: str, m: int, n: int):  # another GQA ratio: a record of its own
+    def layout_label(dtype_name: str, m: int, n: int):  # another GQA ratio or group count: a record of its own
         x_name, x_label, x, extra = grid(dtype_name, m, n)
-        return x_name, x_label, x, {**extra, "heads": "{}:{}".format(*base.QK_HEADS)}
+        return x_name, x_label, x, {**extra, **layout}
 
-    return qk_label
+    return layout_label
 
 
 def select(measure: str):
@@ -338,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         args.measure = list(QUICK_DEFAULT_MEASURES if args.quick else MEASURES)
     args = cli_args.finish_args(args)
     base.QK_HEADS = args.qk_heads  # the run's GQA ratio (base.QK_HEADS)
+    gated.GROUPS = args.gated_groups  # the run's groups per row (gated.GROUPS)
     if args.latency_calls is None:
         args.latency_calls = 30 if args.quick else LATENCY_CALLS
     split_providers(args)
@@ -347,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"--qk-heads {args.qk_heads[0]}:{args.qk_heads[1]}: M must be a multiple of {args.qk_heads[0]}, "
               f"got {', '.join(map(str, bad))}", file=sys.stderr)  # fmt: skip
+        return 2
+    gated_ns = {n for _, _, suite, configs in steps if suite == "gated" for _, _, n in configs}
+    bad = sorted(n for n in gated_ns if n >= gated.GROUPED_MIN_N and n % args.gated_groups)
+    if bad:
+        print(f"--gated-groups {args.gated_groups}: N of {gated.GROUPED_MIN_N} columns or more must be a multiple of "
+              f"it, got {', '.join(map(str, bad))}", file=sys.stderr)  # fmt: skip
         return 2
     dry_run_plan = [(op, suite, configs) for _, op, suite, configs in steps]
     session = start_session(args, dry_run_plan, KERNEL_NAME, JSON_NAME, SUITE_JSON)

@@ -35,6 +35,17 @@ def parse_heads(text: str) -> tuple[int, int]:
     return heads
 
 
+def positive_int(text: str) -> int:
+    """An integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"an integer >= 1, got {text!r}")
+    return value
+
+
 def parse_dtype(name: str) -> str:
     name = name.lower()
     aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}

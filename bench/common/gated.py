@@ -4,7 +4,8 @@ An op names its direction, the order of norm and gate and the gate's dtype: ``ga
 the forward of ``y = rms_norm(x) * w * silu(z)`` (Qwen3-Next, FalconH1) with a bf16 gate; ``after`` is
 ``y = rms_norm(x * silu(z)) * w`` (Mamba2, Bamba, NemotronH). Rows of at least :data:`GROUPED_MIN_N` columns are
 normalized in :data:`GROUPS` groups (Mamba2's layout), narrower ones as one group (a head of Qwen3-Next's linear
-attention). Every provider's ``forward`` is ``(x, z, w, norm_before_gate) -> y``.
+attention); ``--gated-groups`` sets another count for the run (1: whole rows, one group each, as Mamba2 models of one
+group lay them out). Every provider's ``forward`` is ``(x, z, w, norm_before_gate) -> y``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ DIRECTIONS = ("fwd", "bwd")
 ORDERS = {"before": True, "after": False}  # norm before the gate, or after it
 GATES = {"bf16gate": torch.bfloat16, "fp32gate": torch.float32}
 OPS = tuple(f"gated_{d}_{o}_{g}" for o in ORDERS for g in GATES for d in DIRECTIONS)
-GROUPS = 8
+# The run's groups per row (bench_rmsnorm.py --gated-groups sets it for the process); records of another count than
+# GROUPS_DEFAULT carry it in their config ("groups": 1).
+GROUPS_DEFAULT = 8
+GROUPS = GROUPS_DEFAULT
 GROUPED_MIN_N = 1024
 PROVIDERS_DEFAULT = ("tilegym_rms-cutile", "tilegym_rms-triton", "tilegym_rms-unfused", "torch.compile", "mamba-torch")
 
@@ -32,7 +36,8 @@ def parse(op: str) -> tuple[str, bool, torch.dtype]:
 
 
 def group_size(n: int) -> int | None:
-    return n // GROUPS if n >= GROUPED_MIN_N and n % GROUPS == 0 else None
+    """The group width of a row of ``n`` columns in this run's layout; None: the row is one group."""
+    return n // GROUPS if GROUPS > 1 and n >= GROUPED_MIN_N and n % GROUPS == 0 else None
 
 
 def title(op: str) -> str:

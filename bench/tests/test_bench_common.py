@@ -717,6 +717,25 @@ def test_gated_measure_cpu_mode(tmp_path, monkeypatch, capsys):
         assert all(0 <= e <= base.TOLERANCE["bf16"] for e in rec["rel_err"])
 
 
+def test_gated_measure_with_whole_rows_as_one_group(tmp_path, monkeypatch):
+    """--gated-groups 1: rows of 1024 columns or more are one group (Mamba2 models of one group), every provider
+    checked against float64 in that layout, the backward's bytes counting one rstd a row, each record naming the
+    count; a count that does not divide N is refused before anything runs."""
+    monkeypatch.setenv(base.CPU_ENV, "1")
+    monkeypatch.setattr(gated, "GROUPS", gated.GROUPS)  # main sets the run's count; restored after the test
+    argv = ["--measure", "gated", "--M", "16", "--N", "1024", "--reps", "1", "--out", str(tmp_path), "--no-plot"]
+    argv += ["--providers", "tilegym_rms-torch,mamba-torch"]
+    assert bench_rmsnorm.main([*argv, "--gated-groups", "1"]) == 0
+    assert gated.group_size(1024) is None
+    assert gated.op_bytes("gated_bwd_after_bf16gate", 16, 1024, 2) == 16 * 1024 * 5 * 2 + 2 * 1024 * 2 + 4 * 16
+    saved = [r for r in json.loads((tmp_path / "rms_norm.json").read_text()) if r["metric_name"] == "throughput"]
+    assert {r["kernel_operation_mode"] for r in saved} == set(gated.OPS)
+    for rec in saved:
+        assert json.loads(rec["extra_benchmark_config_str"])["groups"] == 1 and not rec.get("mismatch_x_values")
+        assert all(0 <= e <= base.TOLERANCE["bf16"] for e in rec["rel_err"])
+    assert bench_rmsnorm.main([*argv, "--gated-groups", "3"]) == 2  # 1024 columns are not 3 groups
+
+
 def test_gated_check_sees_a_wrong_gate_gradient():
     sets = providers.InputSets(8, 1024, torch.float32, "cpu", 1, 0, 1e-6, gate_dtype=torch.float32)
     mamba = providers.Provider("mamba-torch", functools.partial(gated.mamba_torch, eps=1e-6))

@@ -85,6 +85,24 @@ def test_qk_norm_records_of_another_head_ratio_get_tables_of_their_own(tmp_path)
     ]
 
 
+def test_gated_records_of_another_group_count_get_tables_of_their_own(tmp_path):
+    """A gated run with whole rows as one group beside the default layout's: two tables, the other titled by its
+    count, and no table mixes the two."""
+    pts = []
+    for groups, us in ((None, 20.0), (1, 10.0)):
+        extra = {"M": 4096, "dtype": "bf16", "suite": "gated", **({"groups": groups} if groups else {})}
+        p = records.Point("rms_norm", "gated_fwd_after_bf16gate", "gated", "tilegym_rms-cutile", "bf16", 4096, 2048,
+                          "N", "hidden size N", 2048, extra)  # fmt: skip
+        p.us, p.nbytes, p.errs, p.ok = [us] * 3, traffic.forward_bytes(4096, 2048, 2), {"y": 1e-3}, True
+        pts.append(p)
+    _, text = _render(tmp_path, pts, META)
+    titles = [line for line in text.splitlines() if line.startswith("#### gated_fwd_after_bf16gate")]
+    assert titles == [
+        "#### gated_fwd_after_bf16gate, gated, bf16",
+        "#### gated_fwd_after_bf16gate, gated, rows of one group, bf16",
+    ]
+
+
 def test_check_mode(tmp_path):
     out = tmp_path / "RESULTS.md"
     args = ["--out", str(out), "--check"]

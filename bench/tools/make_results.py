@@ -221,24 +221,35 @@ def _rank(order, item) -> int:
 
 def table_key(key: tuple) -> tuple:
     """Table order in a file: throughput, latency, workspace; by suite, op (as OPS lists them), dtype, then
-    the QK-norm's head ratio (the default first)."""
-    kind, op, suite, dtype, heads = key
-    ranks = (_rank(KINDS, kind), _rank(SUITES, suite), _rank(OPS, op), _rank(DTYPE_ORDER, dtype), heads != "")
+    the layout (:func:`layout_of`; the default first)."""
+    kind, op, suite, dtype, layout = key
+    ranks = (_rank(KINDS, kind), _rank(SUITES, suite), _rank(OPS, op), _rank(DTYPE_ORDER, dtype), layout != "")
     return ranks + key
 
 
-def suite_title(suite: str, heads: str = "") -> str:
-    """The suite's words in a table title; ``heads``: a QK-norm record's ``"HQ:HK"`` (absent: the default)."""
-    if heads:
-        hq, hk = heads.split(":")
+def layout_of(cfg: dict) -> str:
+    """A record's layout where a run chose another than its suite's default: a QK-norm record's ``"HQ:HK"`` heads, a
+    gated record's ``"K groups"`` per row; ``""`` for the default. Records of two layouts never share a table."""
+    if "heads" in cfg:
+        return cfg["heads"]
+    return f"{cfg['groups']} groups" if "groups" in cfg else ""
+
+
+def suite_title(suite: str, layout: str = "") -> str:
+    """The suite's words in a table title, with the layout (:func:`layout_of`) where it is not the default."""
+    if ":" in layout:
+        hq, hk = layout.split(":")
         return f"q of {hq} heads, k of {hk}"
+    if layout:
+        groups = int(layout.split()[0])
+        return f"{SUITES.get(suite, suite)}, " + ("rows of one group" if groups == 1 else f"rows in {groups} groups")
     return SUITES.get(suite, suite)
 
 
-def title_of(kind: str, op: str, suite: str, dtype: str, heads: str = "") -> str:
+def title_of(kind: str, op: str, suite: str, dtype: str, layout: str = "") -> str:
     if kind == "workspace":
         return f"dw workspace, {dtype}: the fp32 partial buffer and its share of the traffic, 2·ws / (minimal + 2·ws)"
-    title = ", ".join(part for part in (OPS.get(op, op), suite_title(suite, heads), dtype) if part)
+    title = ", ".join(part for part in (OPS.get(op, op), suite_title(suite, layout), dtype) if part)
     if kind == "latency":
         title += ": µs per eager call, host + device wall clock (lower is better)"
     return title
@@ -282,14 +293,14 @@ def render_file(path: Path, out_dir: Path) -> tuple[list[str], set[str]]:
         if kind is None:
             continue
         cfg = json.loads(rec["extra_benchmark_config_str"])
-        key = (kind, rec["kernel_operation_mode"], cfg.get("suite", ""), cfg.get("dtype", ""), cfg.get("heads", ""))
+        key = (kind, rec["kernel_operation_mode"], cfg.get("suite", ""), cfg.get("dtype", ""), layout_of(cfg))
         tables.setdefault(key, []).append(rec)
     linked = set()
     for key in sorted(tables, key=table_key):
-        kind, op, suite, dtype, heads = key
+        kind, op, suite, dtype, layout = key
         recs_of = tables[key]
         providers = provider_order({r["kernel_provider"] for r in recs_of})
-        heading = f"#### {title_of(kind, op, suite, dtype, heads)}"
+        heading = f"#### {title_of(kind, op, suite, dtype, layout)}"
         png = card_dir / f"{script.plot_stem(op, suite)}.png" if script and kind != "workspace" else None
         if png is not None and png.exists():
             heading += f" ([plot]({rel(png, out_dir)}))"
@@ -324,9 +335,9 @@ def against_best_peer(recs: list[dict]) -> dict[str, list[Versus]]:
         cfg = json.loads(rec["extra_benchmark_config_str"])
         op, suite = rec["kernel_operation_mode"], cfg.get("suite", "")
         if rec["metric_name"] == "throughput" and op in SUMMARY_OPS and suite in SUMMARY_SUITES:
-            groups.setdefault((op, suite, cfg.get("dtype", ""), cfg.get("heads", "")), []).append(rec)
+            groups.setdefault((op, suite, cfg.get("dtype", ""), layout_of(cfg)), []).append(rec)
     out: dict[str, list[Versus]] = {}
-    for (op, _suite, dtype, _heads), group in groups.items():
+    for (op, _suite, dtype, _layout), group in groups.items():
         for (m, n), by in points(group).items():
             checked = {p: (y, rec) for p, (y, rec) in by.items() if not mismatch(rec, m, n)}
             peers = {p: y for p, (y, _) in checked.items() if is_peer(p)}
