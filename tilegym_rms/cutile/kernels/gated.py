@@ -42,6 +42,17 @@ def _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, dtype, part=0):
     return ct.full((1, TILE_G, TILE_S), 1.0, dtype=_F32)
 
 
+def _gated_weights(w, chunk, offset, TILE_G, TILE_S, TAIL_S, HAS_W, CAST, dtype):
+    """:func:`_gated_weight` of a group held as a tile and, with ``TAIL_S``, a tail tile of the next ``TAIL_S``
+    columns: ``(head, tail)`` (without a tail the head again, never read as one), as ``_effective_weights`` for
+    rows."""
+    wt = _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, dtype)
+    wt_tail = wt
+    if TAIL_S:
+        wt_tail = _gated_weight(w, chunk, offset, TILE_G, TAIL_S, HAS_W, CAST, dtype, TILE_S // TAIL_S)
+    return wt, wt_tail
+
+
 def _gate_and_slope(zf, GATE):
     """The gate and its derivative, fp32 (reference._gate_and_slope): sigmoid, ``1 / (1 + exp(-z))`` and
     ``s * (1 - s)``; silu as torch writes it, ``z / (1 + exp(-z))``, and ``sigmoid(z) * (1 + z * (1 -
@@ -144,10 +155,7 @@ def gated_rms_norm_fwd(
     ``WALK``: grid axis 0 strides over the row tiles; otherwise each block runs row tile ``bid(0)`` alone (no loop,
     no ring of load stages: the plain forward's ``"tiles"``). ``TAIL_S``: see :func:`_gated_fwd_tile`."""
     chunk = ct.bid(1)
-    wt = _gated_weight(w, chunk, offset, TILE_G, TILE_S, HAS_W, CAST, x.dtype)
-    wt_tail = wt
-    if TAIL_S:
-        wt_tail = _gated_weight(w, chunk, offset, TILE_G, TAIL_S, HAS_W, CAST, x.dtype, TILE_S // TAIL_S)
+    wt, wt_tail = _gated_weights(w, chunk, offset, TILE_G, TILE_S, TAIL_S, HAS_W, CAST, x.dtype)
     args = (x, z, y, rstd, wt, wt_tail, eps, chunk)
     consts = (TILE_M, TILE_G, TILE_S, TAIL_S, CAST, NORM_BEFORE_GATE, GATE, STORE_RSTD)
     if WALK:
