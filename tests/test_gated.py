@@ -501,8 +501,7 @@ def test_cutile_forward_holds_a_group_as_a_tile_and_a_tail_from_a_setting(group_
     assert config.gated_config(40000, n, group_size, torch.bfloat16, 132).fwd.tail_s == 0
     with config.override(gated_fwd_tail_min_group=256):
         cfg = config.gated_config(40000, n, group_size, torch.bfloat16, 132)
-    head = cfg.tile_s // 2 if cfg.fwd.tail_s else cfg.tile_s
-    assert (head, cfg.fwd.tail_s) == tiles and cfg.bwd.tail_s == 0
+    assert cfg.group_tiles(cfg.fwd) == tiles and cfg.bwd.tail_s == 0
 
 
 def test_cutile_narrow_forward_walks_when_asked():

@@ -29,6 +29,11 @@ class GatedConfig:
     fwd: GatedLaunch
     bwd: GatedLaunch  # its grid[0] is also the rows of the (grid, N) dw partial buffer
 
+    def group_tiles(self, launch: GatedLaunch) -> tuple[int, int]:
+        """``(TILE_S, TAIL_S)`` of ``launch``: the padded group, or with a tail the group's first ``tile_s // 2``
+        columns (``prev_pow2(S)``) and the tail's width."""
+        return (self.tile_s // 2, launch.tail_s) if launch.tail_s else (self.tile_s, 0)
+
 
 def gated_config(
     m: int,

@@ -33,8 +33,7 @@ def forward_launch(tgt: Target, m, n, group_size, dtype, casting_mode, has_w, no
     if cfg is None:
         return None
     f = cfg.fwd
-    tile_s = cfg.tile_s // 2 if f.tail_s else cfg.tile_s  # with a tail: the group's first prev_pow2(S) columns
-    constants = (f.tile_m, f.tile_g, tile_s, f.tail_s, CASTING_CODES[casting_mode], has_w, norm_before_gate,
+    constants = (f.tile_m, f.tile_g, *cfg.group_tiles(f), CASTING_CODES[casting_mode], has_w, norm_before_gate,
                  GATE_CODES[activation], store_rstd, f.walk)  # fmt: skip
     return make_launch(common.kernels().gated_rms_norm_fwd, f.grid, constants, f.hints)
 
