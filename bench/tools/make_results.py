@@ -60,7 +60,7 @@ SUITES = {
     "large": "large hidden sizes",
     "ascend-rs": "ascend-rs suite",
     "fused_add": 'mode "pre"',
-    "qk_norm": "q of {} heads, k of {}".format(*base.QK_HEADS_DEFAULT),  # other ratios: suite_title
+    "qk_norm": "q of {} heads, k of {}".format(*base.QK_HEADS_DEFAULT),  # other ratios: layout_of
     "latency": "eager latency",
 }
 # Below a card's headline results: tuning sweeps and A/B runs, each file named by what it measures (op,
@@ -228,22 +228,22 @@ def table_key(key: tuple) -> tuple:
 
 
 def layout_of(cfg: dict) -> str:
-    """A record's layout where a run chose another than its suite's default: a QK-norm record's ``"HQ:HK"`` heads, a
-    gated record's ``"K groups"`` per row; ``""`` for the default. Records of two layouts never share a table."""
+    """The suite's words for a record of a run that chose another layout than its suite's default (a QK-norm
+    record's ``"heads": "HQ:HK"``, a gated record's ``"groups": K`` per row); ``""`` for the default. Records of two
+    layouts never share a table."""
     if "heads" in cfg:
-        return cfg["heads"]
-    return f"{cfg['groups']} groups" if "groups" in cfg else ""
+        return "q of {} heads, k of {}".format(*cfg["heads"].split(":"))
+    if "groups" in cfg:
+        groups = cfg["groups"]
+        return f"{suite_title(cfg.get('suite', ''))}, " + (
+            "rows of one group" if groups == 1 else f"rows in {groups} groups"
+        )
+    return ""
 
 
 def suite_title(suite: str, layout: str = "") -> str:
-    """The suite's words in a table title, with the layout (:func:`layout_of`) where it is not the default."""
-    if ":" in layout:
-        hq, hk = layout.split(":")
-        return f"q of {hq} heads, k of {hk}"
-    if layout:
-        groups = int(layout.split()[0])
-        return f"{SUITES.get(suite, suite)}, " + ("rows of one group" if groups == 1 else f"rows in {groups} groups")
-    return SUITES.get(suite, suite)
+    """The suite's words in a table title: the layout's (:func:`layout_of`) where it is not the default."""
+    return layout or SUITES.get(suite, suite)
 
 
 def title_of(kind: str, op: str, suite: str, dtype: str, layout: str = "") -> str:
